@@ -1,0 +1,87 @@
+"""distcomm: one communicator object for everything a training job's processes say to each other.
+
+    comm = distcomm.GlooCommunicator.from_env()        # or LocalCommunicator(), or launch()
+    with comm, distcomm.use(comm):
+        results = comm.gather(my_predictions)           # or distcomm.gather(...) via use()
+
+See the README for the whole API, the trust model and the performance figures.
+"""
+
+from __future__ import annotations
+
+from ._api import (
+    all_gather,
+    all_reduce_dict,
+    broadcast,
+    gather,
+    get_local_rank,
+    get_local_size,
+    get_rank,
+    get_world_size,
+    is_main_process,
+    reduce_dict,
+    scatter,
+    shared_random_seed,
+    synchronize,
+)
+from ._communicator import DEFAULT_TIMEOUT, Communicator, OpStats
+from ._context import current, use
+from ._errors import (
+    CollectiveError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    CommunicatorStateError,
+    DistCommError,
+    FrameError,
+    PayloadTooLargeError,
+    PeerError,
+    RankFailedError,
+    SerializationError,
+    UnsafePayloadError,
+)
+from ._launch import free_port, launch
+from ._local import LocalCommunicator
+from ._serialization import PickleSerializer, SafeSerializer, Serializer
+from ._torch import GlooCommunicator, NcclCommunicator
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "CollectiveError",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
+    "Communicator",
+    "CommunicatorStateError",
+    "DistCommError",
+    "FrameError",
+    "GlooCommunicator",
+    "LocalCommunicator",
+    "NcclCommunicator",
+    "OpStats",
+    "PayloadTooLargeError",
+    "PeerError",
+    "PickleSerializer",
+    "RankFailedError",
+    "SafeSerializer",
+    "SerializationError",
+    "Serializer",
+    "UnsafePayloadError",
+    "all_gather",
+    "all_reduce_dict",
+    "broadcast",
+    "current",
+    "free_port",
+    "gather",
+    "get_local_rank",
+    "get_local_size",
+    "get_rank",
+    "get_world_size",
+    "is_main_process",
+    "launch",
+    "reduce_dict",
+    "scatter",
+    "shared_random_seed",
+    "synchronize",
+    "use",
+]

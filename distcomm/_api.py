@@ -1,0 +1,125 @@
+"""Module-level helpers with the reference's names, delegating to ``current()``.
+
+``import distcomm as comm`` runs code written against the reference's functions unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ._communicator import Communicator
+from ._context import active, current
+
+__all__ = [
+    "all_gather",
+    "all_reduce_dict",
+    "broadcast",
+    "gather",
+    "get_local_rank",
+    "get_local_size",
+    "get_rank",
+    "get_world_size",
+    "is_main_process",
+    "reduce_dict",
+    "scatter",
+    "shared_random_seed",
+    "synchronize",
+]
+
+
+def _dist_on() -> bool:
+    return active() is None and dist.is_available() and dist.is_initialized()
+
+
+def get_world_size() -> int:
+    """Number of ranks of the active communicator (1 without one)."""
+    return dist.get_world_size() if _dist_on() else current().world_size
+
+
+def get_rank() -> int:
+    """This process's rank in the active communicator (0 without one)."""
+    return dist.get_rank() if _dist_on() else current().rank
+
+
+def get_local_rank() -> int:
+    """This process's rank on its machine.
+
+    Without an installed communicator this reads torchrun's LOCAL_RANK; failing that it adopts
+    the default group, which is collective.
+    """
+    if _dist_on() and "LOCAL_RANK" in os.environ:
+        return int(os.environ["LOCAL_RANK"])
+    return current().local_rank
+
+
+def get_local_size() -> int:
+    """Number of ranks on this process's machine (see get_local_rank)."""
+    if _dist_on() and "LOCAL_WORLD_SIZE" in os.environ:
+        return int(os.environ["LOCAL_WORLD_SIZE"])
+    return current().local_size
+
+
+def is_main_process() -> bool:
+    """True on rank 0."""
+    return get_rank() == 0
+
+
+def synchronize() -> None:
+    """Barrier over the active communicator. Every rank must call it."""
+    current().synchronize()
+
+
+def _for_group(group: Any) -> Communicator:
+    comm = current()
+    if group is None or group is getattr(comm, "group", None):
+        return comm
+    # A communicator over another group, kept on the active communicator (created collectively
+    # by every member on first use).
+    cache: dict[Any, Communicator] = comm.__dict__.setdefault("_subcomms", {})
+    sub = cache.get(group)
+    if sub is None:
+        from ._torch import GlooCommunicator
+
+        sub = cache[group] = GlooCommunicator(group, timeout=comm.timeout, serializer=comm.serializer,
+                                              max_bytes=comm.max_bytes)
+    return sub
+
+
+def all_gather(data: Any, group: Any = None) -> list[Any]:
+    """Gather ``data`` from every rank on every rank (see Communicator.all_gather)."""
+    return _for_group(group).all_gather(data)
+
+
+def gather(data: Any, dst: int = 0, group: Any = None) -> list[Any]:
+    """Gather ``data`` from every rank on ``dst``; ``[]`` elsewhere (see Communicator.gather)."""
+    return _for_group(group).gather(data, dst)
+
+
+def broadcast(obj: Any = None, src: int = 0) -> Any:
+    """Send ``obj`` from ``src`` to every rank (see Communicator.broadcast)."""
+    return current().broadcast(obj, src)
+
+
+def scatter(objs: Sequence[Any] | None = None, src: int = 0) -> Any:
+    """Send ``objs[r]`` from ``src`` to rank r (see Communicator.scatter)."""
+    return current().scatter(objs, src)
+
+
+def shared_random_seed() -> int:
+    """An int in [0, 2**31) that is the same on every rank. Every rank must call it."""
+    return current().shared_random_seed()
+
+
+def reduce_dict(input_dict: Mapping[Any, torch.Tensor], average: bool = True) -> dict[Any, torch.Tensor]:
+    """Sum or average a dict of scalar tensors onto rank 0 (see Communicator.reduce_dict)."""
+    return current().reduce_dict(input_dict, average)
+
+
+def all_reduce_dict(input_dict: Mapping[Any, torch.Tensor], average: bool = True) -> dict[Any, torch.Tensor]:
+    """Sum or average a dict of scalar tensors onto every rank."""
+    return current().all_reduce_dict(input_dict, average)

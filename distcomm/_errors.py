@@ -1,0 +1,110 @@
+"""The distcomm error hierarchy.
+
+::
+
+    DistCommError                      root: catch this to catch everything distcomm raises
+    ├── CommunicatorStateError         the communicator is closed, broken, or used after fork
+    ├── RankFailedError                (distcomm.testing) a rank of a test world raised or hung
+    └── CollectiveError                a collective failed; raised on every rank that took part
+        ├── SerializationError         a rank could not serialize or deserialize its object
+        │   └── UnsafePayloadError     SafeSerializer refused a global that is not allowlisted
+        ├── CollectiveMismatchError    ranks called different collectives (op, order or root)
+        ├── CollectiveTimeoutError     a peer did not arrive within the timeout
+        ├── PayloadTooLargeError       a rank's payload is over ``max_bytes``
+        ├── PeerError                  a peer died or its connection closed
+        └── FrameError                 bytes on the wire are not a valid distcomm frame
+
+Wrong arguments (a bad ``dst``, a non-dict to ``reduce_dict``) are ``ValueError`` or
+``TypeError`` raised before any communication, as Python users expect.
+
+This module imports nothing from the rest of the package, so every module can import it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = [
+    "CollectiveError",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
+    "CommunicatorStateError",
+    "DistCommError",
+    "FrameError",
+    "PayloadTooLargeError",
+    "PeerError",
+    "RankFailedError",
+    "SerializationError",
+    "UnsafePayloadError",
+]
+
+
+class DistCommError(Exception):
+    """Root of every error distcomm raises (besides plain ValueError/TypeError for bad arguments)."""
+
+
+class CommunicatorStateError(DistCommError):
+    """The communicator can't be used: closed, broken by an earlier failure, or inherited by fork."""
+
+
+class CollectiveError(DistCommError):
+    """A collective failed.
+
+    Attributes:
+        op: the collective's name (``"all_gather"``, ...), or None when unknown.
+        ranks: the ranks the error is about (the failing or missing ones), possibly empty.
+    """
+
+    def __init__(self, message: str, *, op: str | None = None, ranks: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.op = op
+        self.ranks: tuple[int, ...] = tuple(ranks)
+
+
+class SerializationError(CollectiveError):
+    """A rank could not serialize its object, or this rank could not deserialize a peer's."""
+
+
+class UnsafePayloadError(SerializationError):
+    """SafeSerializer refused to build a global that is not on its allowlist."""
+
+
+class CollectiveMismatchError(CollectiveError):
+    """Ranks disagree on which collective they are in (op, sequence number or root)."""
+
+
+class CollectiveTimeoutError(CollectiveError):
+    """A peer did not arrive within the timeout. ``ranks`` names those that never reported."""
+
+
+class PayloadTooLargeError(CollectiveError):
+    """A rank's serialized payload is larger than the communicator's ``max_bytes``."""
+
+
+class PeerError(CollectiveError):
+    """The transport lost a peer (it exited or its connection closed)."""
+
+
+class FrameError(CollectiveError):
+    """Bytes received are not a valid distcomm frame (corrupt, truncated or foreign)."""
+
+
+class RankFailedError(DistCommError):
+    """A rank of a test world (run_threaded, spawn) raised or never finished.
+
+    Attributes:
+        rank: the rank that failed first (the root cause, where it can be told).
+        exception: its exception (None when the rank hung or its process died).
+        remote_traceback: the traceback text from that rank, when it ran in another process.
+        errors: every failing rank's exception, by rank.
+    """
+
+    def __init__(
+        self, message: str, *, rank: int, exception: BaseException | None = None,
+        remote_traceback: str = "", errors: dict[int, BaseException] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.exception = exception
+        self.remote_traceback = remote_traceback
+        self.errors = dict(errors or {})

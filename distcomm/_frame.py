@@ -1,0 +1,217 @@
+"""The wire format of distcomm's first exchange: one fixed-size slot per rank.
+
+Every object collective starts with an all-gather of one slot from every rank. A slot holds a
+header (op, sequence number, root, status, a digest), a table of segment sizes, and as many
+small segments inline as fit. A segment is one contiguous piece of a serialized object: its pickle
+stream or an out-of-band buffer. Segments that don't fit travel afterwards, point to point, into
+buffers of their exact size. When the table itself doesn't fit, each part is packed into one
+segment (``pack`` / ``unpack``).
+
+Layout (little-endian)::
+
+    magic "DCM1" | version u8 | status u8 | op u8 | flags u8 | seq i64 | root i32
+    | nparts u32 | nsegs u32 | digest u64 | total i64                       (header, 40 bytes)
+    | nparts x u32 segment count per part
+    | nsegs x i64 entry: size >= 0 travels later; -(size + 1) is inline
+    | inline bytes, in segment order
+
+With a non-OK status the header is followed by a UTF-8 message of ``total`` bytes.
+
+Everything here is a pure function over bytes, so it can be fuzzed: any input gives either a
+decoded slot or a ``FrameError``.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ._errors import FrameError
+
+MAGIC = b"DCM1"
+VERSION = 1
+HEADER = struct.Struct("<4sBBBBqiIIQq")
+HEADER_SIZE = HEADER.size
+MIN_SLOT = 256
+
+# statuses
+OK = 0
+SERIALIZE_FAILED = 1  # that rank could not serialize its object; message follows
+TOO_LARGE = 2  # that rank's payload is over max_bytes; message follows
+INVALID = 3  # that rank's input was rejected (wrong scatter length, bad dict value); message follows
+STATUS_NAMES = {OK: "ok", SERIALIZE_FAILED: "serialize failed", TOO_LARGE: "too large", INVALID: "invalid"}
+
+# flags
+PACKED = 1
+
+_U32 = struct.Struct("<I")
+_I64 = struct.Struct("<q")
+
+
+@dataclass(frozen=True)
+class Header:
+    status: int
+    op: int
+    flags: int
+    seq: int
+    root: int
+    digest: int
+    total: int
+
+
+@dataclass
+class Slot:
+    """A decoded slot. ``parts[p][s]`` is (size, inline bytes or None when it travels later)."""
+
+    header: Header
+    parts: list[list[tuple[int, memoryview | None]]] = field(default_factory=list)
+    message: str = ""
+
+
+def table_size(part_lengths: Sequence[int]) -> int:
+    return HEADER_SIZE + 4 * len(part_lengths) + 8 * sum(part_lengths)
+
+
+def encode(
+    op: int,
+    seq: int,
+    root: int,
+    digest: int,
+    parts: Sequence[Sequence[memoryview]],
+    slot_size: int,
+    *,
+    flags: int = 0,
+) -> bytearray:
+    """Encode an OK slot. Segments are inlined greedily, in order, while they fit.
+
+    Raises:
+        ValueError: the table doesn't fit in ``slot_size`` (the caller packs and retries).
+    """
+    lengths = [len(p) for p in parts]
+    head = table_size(lengths)
+    if head > slot_size:
+        raise ValueError(f"segment table needs {head} bytes, slot holds {slot_size}")
+    out = bytearray(slot_size)
+    total = 0
+    nsegs = 0
+    pos = HEADER_SIZE
+    for p in parts:
+        _U32.pack_into(out, pos, len(p))
+        pos += 4
+    data = head
+    for p in parts:
+        for seg in p:
+            n = seg.nbytes
+            total += n
+            nsegs += 1
+            if data + n <= slot_size:
+                _I64.pack_into(out, pos, -(n + 1))
+                out[data : data + n] = seg.cast("B") if seg.ndim != 1 or seg.format != "B" else seg
+                data += n
+            else:
+                _I64.pack_into(out, pos, n)
+            pos += 8
+    HEADER.pack_into(out, 0, MAGIC, VERSION, OK, op, flags, seq, root, len(lengths), nsegs, digest, total)
+    return out
+
+
+def encode_status(status: int, op: int, seq: int, root: int, message: str, slot_size: int) -> bytearray:
+    """Encode a slot that reports a failure on this rank, with a (possibly truncated) message."""
+    raw = message.encode("utf-8", "replace")[: slot_size - HEADER_SIZE]
+    out = bytearray(slot_size)
+    HEADER.pack_into(out, 0, MAGIC, VERSION, status, op, 0, seq, root, 0, 0, 0, len(raw))
+    out[HEADER_SIZE : HEADER_SIZE + len(raw)] = raw
+    return out
+
+
+def decode(buf: memoryview | bytes | bytearray) -> Slot:
+    """Decode one slot. Raises FrameError on anything that is not a well-formed slot."""
+    mv = memoryview(buf).cast("B") if not isinstance(buf, memoryview) else buf
+    n = mv.nbytes
+    if n < HEADER_SIZE:
+        raise FrameError(f"slot of {n} bytes is shorter than the {HEADER_SIZE}-byte header")
+    magic, version, status, op, flags, seq, root, nparts, nsegs, digest, total = HEADER.unpack_from(mv, 0)
+    if magic != MAGIC:
+        raise FrameError(f"bad magic {bytes(magic)!r}: not a distcomm frame")
+    if version != VERSION:
+        raise FrameError(f"frame version {version}, this distcomm speaks {VERSION}")
+    if status not in STATUS_NAMES:
+        raise FrameError(f"unknown status {status}")
+    if total < 0:
+        raise FrameError(f"negative total size {total}")
+    header = Header(status, op, flags, seq, root, digest, total)
+    if status != OK:
+        if total > n - HEADER_SIZE:
+            raise FrameError("error message runs past the end of the slot")
+        msg = bytes(mv[HEADER_SIZE : HEADER_SIZE + total]).decode("utf-8", "replace")
+        return Slot(header, [], msg)
+    if HEADER_SIZE + 4 * nparts + 8 * nsegs > n:
+        raise FrameError(f"segment table ({nparts} parts, {nsegs} segments) runs past the slot")
+    pos = HEADER_SIZE
+    counts = []
+    for _ in range(nparts):
+        (c,) = _U32.unpack_from(mv, pos)
+        counts.append(c)
+        pos += 4
+    if sum(counts) != nsegs:
+        raise FrameError(f"part counts add up to {sum(counts)}, header says {nsegs} segments")
+    data = pos + 8 * nsegs
+    seen = 0
+    parts: list[list[tuple[int, memoryview | None]]] = []
+    for c in counts:
+        part: list[tuple[int, memoryview | None]] = []
+        for _ in range(c):
+            (e,) = _I64.unpack_from(mv, pos)
+            pos += 8
+            if e >= 0:
+                part.append((e, None))
+                seen += e
+            else:
+                size = -e - 1
+                if data + size > n:
+                    raise FrameError("inline segment runs past the end of the slot")
+                part.append((size, mv[data : data + size]))
+                data += size
+                seen += size
+        parts.append(part)
+    if seen != total:
+        raise FrameError(f"segments add up to {seen} bytes, header says {total}")
+    return Slot(header, parts)
+
+
+def pack(segments: Sequence[memoryview]) -> bytearray:
+    """Concatenate segments into one buffer with their sizes in front (count u32, sizes i64)."""
+    head = 4 + 8 * len(segments)
+    out = bytearray(head + sum(s.nbytes for s in segments))
+    _U32.pack_into(out, 0, len(segments))
+    pos, data = 4, head
+    for s in segments:
+        _I64.pack_into(out, pos, s.nbytes)
+        pos += 8
+        out[data : data + s.nbytes] = s.cast("B") if s.format != "B" or s.ndim != 1 else s
+        data += s.nbytes
+    return out
+
+
+def unpack(buf: memoryview) -> list[memoryview]:
+    """Split a packed buffer back into zero-copy views. Raises FrameError if malformed."""
+    mv = buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf
+    n = mv.nbytes
+    if n < 4:
+        raise FrameError("packed segment shorter than its count")
+    (count,) = _U32.unpack_from(mv, 0)
+    head = 4 + 8 * count
+    if head > n:
+        raise FrameError(f"packed segment claims {count} segments, too many for {n} bytes")
+    out = []
+    data = head
+    for i in range(count):
+        (size,) = _I64.unpack_from(mv, 4 + 8 * i)
+        if size < 0 or data + size > n:
+            raise FrameError("packed segment size out of range")
+        out.append(mv[data : data + size])
+        data += size
+    if data != n:
+        raise FrameError(f"packed segment has {n - data} trailing bytes")
+    return out

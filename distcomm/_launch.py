@@ -1,0 +1,104 @@
+"""launch(): start this machine's processes, one communicator each, and run a function in them."""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ._communicator import DEFAULT_TIMEOUT
+from ._context import use
+
+__all__ = ["free_port", "launch"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (bind to 0, read it back)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(
+    local_rank: int, payload: bytes, per_machine: int, num_machines: int, machine_rank: int,
+    url: str, backend: str, timeout: float,
+) -> None:
+    from ._torch import GlooCommunicator, NcclCommunicator
+
+    main_func, args = cloudpickle.loads(payload)
+    rank = machine_rank * per_machine + local_rank
+    world = per_machine * num_machines
+    td = datetime.timedelta(seconds=timeout)
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", init_method=url, rank=rank, world_size=world, timeout=td, device_id=device)
+        comm: Any = NcclCommunicator(None, device=device, timeout=timeout, machine=machine_rank, _owns_default=True)
+    else:
+        dist.init_process_group("gloo", init_method=url, rank=rank, world_size=world, timeout=td)
+        comm = GlooCommunicator(None, timeout=timeout, machine=machine_rank, _owns_default=True)
+    with comm, use(comm):
+        main_func(*args)
+
+
+def launch(
+    main_func: Callable[..., Any],
+    num_processes_per_machine: int,
+    num_machines: int = 1,
+    machine_rank: int = 0,
+    dist_url: str | None = None,
+    backend: str = "gloo",
+    args: Sequence[Any] = (),
+    timeout: float = DEFAULT_TIMEOUT,
+) -> None:
+    """Spawn this machine's processes and run ``main_func(*args)`` in each.
+
+    Each process initializes torch.distributed, builds the matching communicator (gloo or nccl)
+    with its local rank and size, installs it with ``use()``, calls ``main_func(*args)``, and
+    cleans up. ``main_func`` may be a lambda or closure (cloudpickle).
+
+    Args:
+        main_func: the function each process runs.
+        num_processes_per_machine: processes on this machine.
+        num_machines: machines in the job (each calls launch() with its machine_rank).
+        machine_rank: this machine's index.
+        dist_url: "tcp://host:port" of machine 0; None or "auto" picks a free local port (one
+            machine only).
+        backend: "gloo" or "nccl".
+        args: arguments for main_func.
+        timeout: seconds collectives (and set-up) wait for peers.
+
+    Raises:
+        torch.multiprocessing.ProcessRaisedException: a process raised; it carries the traceback.
+    """
+    if not callable(main_func):
+        raise TypeError(f"main_func must be callable, got {type(main_func).__name__}")
+    for name, value, low in (("num_processes_per_machine", num_processes_per_machine, 1),
+                             ("num_machines", num_machines, 1), ("machine_rank", machine_rank, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    if machine_rank >= num_machines:
+        raise ValueError(f"machine_rank={machine_rank} is out of range for num_machines={num_machines}")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise RuntimeError("backend='nccl' needs CUDA and this machine has no CUDA device; use backend='gloo'")
+    if dist_url in (None, "auto"):
+        if num_machines != 1:
+            raise ValueError("dist_url='auto' only works with num_machines=1; pass machine 0's tcp://host:port")
+        dist_url = f"tcp://127.0.0.1:{free_port()}"
+    assert dist_url is not None
+    payload = cloudpickle.dumps((main_func, tuple(args)))
+    mp.start_processes(
+        _worker,
+        args=(payload, num_processes_per_machine, num_machines, machine_rank, dist_url, backend, float(timeout)),
+        nprocs=num_processes_per_machine,
+        join=True,
+        start_method="spawn",
+    )

@@ -1,0 +1,413 @@
+"""Communicators over torch.distributed: GlooCommunicator (CPU) and NcclCommunicator (CUDA)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import secrets
+import socket
+import time
+from typing import Any, Literal, NoReturn
+
+import torch
+import torch.distributed as dist
+
+from ._communicator import DEFAULT_SLOT_BYTES, DEFAULT_TIMEOUT, Communicator, Op, _seconds
+from ._errors import (
+    CollectiveError,
+    CollectiveTimeoutError,
+    CommunicatorStateError,
+    DistCommError,
+    PeerError,
+)
+from ._serialization import Serializer
+
+__all__ = ["GlooCommunicator", "NcclCommunicator"]
+
+_HOW_TO_START = (
+    "torch.distributed is not initialized. Start it with {cls}.from_env() (under torchrun), "
+    "with distcomm.launch(main, num_processes_per_machine=N), or with "
+    "torch.distributed.init_process_group(...) before creating a {cls}"
+)
+
+
+def _c10d() -> Any:
+    return torch._C._distributed_c10d
+
+
+def _td(seconds: float | None) -> datetime.timedelta | None:
+    return None if seconds is None else datetime.timedelta(seconds=seconds)
+
+
+def _machine_key(machine: str | int | None) -> str:
+    if machine is not None:
+        return f"given:{machine}"
+    if "TORCHELASTIC_RUN_ID" in os.environ and "GROUP_RANK" in os.environ:
+        return f"torchrun-node:{os.environ['GROUP_RANK']}"
+    return f"host:{socket.gethostname()}"
+
+
+class _TorchCommunicator(Communicator):
+    """Shared plumbing of the torch.distributed communicators."""
+
+    _kind = "torch"
+
+    def __init__(
+        self,
+        group: Any = None,
+        *,
+        timeout: float | datetime.timedelta | None = None,
+        serializer: Serializer | None = None,
+        max_bytes: int | None = None,
+        slot_bytes: int = DEFAULT_SLOT_BYTES,
+        receive_cuda_on: Literal["device", "cpu"] = "device",
+        machine: str | int | None = None,
+        _owns_default: bool = False,
+    ) -> None:
+        super().__init__(timeout=timeout, serializer=serializer, max_bytes=max_bytes, slot_bytes=slot_bytes,
+                         receive_cuda_on=receive_cuda_on)
+        if not dist.is_available():
+            raise CommunicatorStateError("this torch build has no torch.distributed")
+        if not dist.is_initialized():
+            raise CommunicatorStateError(_HOW_TO_START.format(cls=type(self).__name__))
+        default = dist.distributed_c10d._get_default_group()
+        self._group: Any = default if group is None else group
+        self._is_world = self._group is default
+        self._owns_default = _owns_default
+        self._owned: list[Any] = []
+        rank = dist.get_rank(self._group)
+        if rank < 0:
+            raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the given group")
+        self._rank = rank
+        self._world = dist.get_world_size(self._group)
+        self._ranks = list(dist.get_process_group_ranks(self._group))
+        self._check_backend(dist.get_backend(self._group))
+        self._obj_group: Any = self._object_group()
+        self._allgather = getattr(self._obj_group, "all_gather_single", None) or self._obj_group._allgather_base
+        try:
+            self._store: Any = dist.distributed_c10d._get_default_store()
+        except Exception:  # a store is only used to name missing ranks after a failure
+            self._store = None
+        self._token = ""
+        self._local_group: Any = self._group
+        self._local_rank, self._local_size = 0, 1
+        try:
+            self._setup(_machine_key(machine))
+        except BaseException:
+            self._shutdown()
+            raise
+
+    # ------------------------------------------------------------------ set-up
+    def _check_backend(self, backend: str) -> None:
+        raise NotImplementedError
+
+    def _object_group(self) -> Any:
+        return self._group
+
+    def _local_backend(self) -> str | None:
+        return None
+
+    def _new_group(self, ranks: list[int], backend: str | None) -> Any:
+        g = dist.new_group(
+            [self._ranks[r] for r in ranks], backend=backend, timeout=_td(self._timeout),
+            use_local_synchronization=not self._is_world,
+        )
+        if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER:
+            self._owned.append(g)
+        return g
+
+    def _setup(self, machine: str) -> None:
+        token = secrets.token_hex(8)
+        infos = self._run(Op.SETUP, -1, (machine, token), self._timeout)
+        self._token = infos[0][1]
+        keys = [info[0] for info in infos]
+        order = list(dict.fromkeys(keys))
+        for key in order:  # every rank creates every machine's group, in the same order
+            members = [r for r, k in enumerate(keys) if k == key]
+            group = self._group if len(order) == 1 else self._new_group(members, self._local_backend())
+            if self._rank in members:
+                self._local_group = group
+                self._local_rank, self._local_size = members.index(self._rank), len(members)
+
+    # ------------------------------------------------------------------ identity
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world
+
+    @property
+    def local_rank(self) -> int:
+        return self._local_rank
+
+    @property
+    def local_size(self) -> int:
+        return self._local_size
+
+    @property
+    def group(self) -> Any:
+        """The torch process group this communicator's tensor collectives use."""
+        return self._group
+
+    @property
+    def local_group(self) -> Any:
+        """The process group of the ranks on this machine."""
+        return self._local_group
+
+    def _shutdown(self) -> None:
+        for g in reversed(self._owned):
+            try:
+                dist.destroy_process_group(g)
+            except Exception:  # noqa: S110 - best effort on teardown
+                pass
+        self._owned.clear()
+        if self._owns_default and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: S110 - best effort on teardown
+                pass
+
+    # ------------------------------------------------------------------ transport
+    def _wait(self, works: list[Any], timeout: float | None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            for w in works:
+                if deadline is None:
+                    w.wait()
+                else:
+                    w.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+        except DistCommError:
+            raise
+        except Exception as e:
+            self._fail(e, timeout)
+
+    def _allgather_slots(self, slot: torch.Tensor, timeout: float | None) -> torch.Tensor:
+        out = torch.empty(self._world * self.slot_bytes, dtype=torch.uint8)
+        opts = _c10d().AllgatherOptions()
+        if timeout is not None:
+            opts.timeout = datetime.timedelta(seconds=timeout)
+        try:
+            work = self._allgather(out, slot, opts)
+        except Exception as e:
+            self._fail(e, timeout)
+        self._wait([work], timeout)
+        return out
+
+    def _exchange(
+        self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]], timeout: float | None
+    ) -> None:
+        g = self._obj_group
+        try:
+            works = [g.recv([t], src, 0) for src, t in recvs]
+            works += [g.send([t], dst, 0) for dst, t in sends]
+        except Exception as e:
+            self._fail(e, timeout)
+        self._wait(works, timeout)
+
+    def _reduce_tensor(self, tensor: torch.Tensor, dst: int | None, timeout: float | None) -> None:
+        c = _c10d()
+        try:
+            if dst is None:
+                opts = c.AllreduceOptions()
+                opts.reduceOp = c.ReduceOp.SUM
+                if timeout is not None:
+                    opts.timeout = datetime.timedelta(seconds=timeout)
+                work = self._group.allreduce([tensor], opts)
+            else:
+                opts = c.ReduceOptions()
+                opts.reduceOp = c.ReduceOp.SUM
+                opts.rootRank = dst
+                if timeout is not None:
+                    opts.timeout = datetime.timedelta(seconds=timeout)
+                work = self._group.reduce([tensor], opts)
+        except Exception as e:
+            self._fail(e, timeout)
+        self._wait([work], timeout)
+
+    # ------------------------------------------------------------------ failures
+    def _reported(self, grace: float) -> list[int] | None:
+        """Write that this rank failed at this call, wait ``grace`` for the others; return who did."""
+        if self._store is None or not self._token:
+            return None
+        prefix = f"distcomm/{self._token}/{self._seq}/"
+        try:
+            self._store.set(prefix + str(self._rank), "1")
+            deadline = time.monotonic() + grace
+            while True:
+                present = [r for r in range(self._world) if self._store.check([prefix + str(r)])]
+                if len(present) == self._world or time.monotonic() > deadline:
+                    return present
+                time.sleep(0.05)
+        except Exception:  # the store may be gone with the peer that hosted it
+            return None
+
+    def _fail(self, exc: BaseException, timeout: float | None) -> NoReturn:
+        text = str(exc).split("\n")[0]
+        low = text.lower()
+        seq = self._seq
+        self._mark_broken(f"call #{seq}: {text[:160]}")
+        grace = 2.0 if timeout is None else min(2.0, max(0.5, timeout / 4))
+        present = self._reported(grace)
+        missing = [] if present is None else [r for r in range(self._world) if r not in present]
+        who = ""
+        if missing:
+            who = f"; rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} never reported reaching it"
+        timed_out = "timed out" in low or "timeout" in low
+        closed = "closed" in low or "reset" in low or "broken pipe" in low or "connection" in low
+        if timed_out and not ("closed by peer" in low and present is not None and not missing):
+            raise CollectiveTimeoutError(
+                f"call #{seq} timed out after {timeout}s waiting for its peers{who} (transport: {text[:200]})",
+                ranks=missing) from exc
+        if closed and present is not None and not missing:
+            raise CollectiveTimeoutError(
+                f"call #{seq}: every rank reached it, but peers gave up (their timeout expired) before this "
+                f"rank arrived (transport: {text[:200]})") from exc
+        if closed:
+            raise PeerError(
+                f"call #{seq}: lost a peer (it exited or its connection closed){who} (transport: {text[:200]})",
+                ranks=missing) from exc
+        raise CollectiveError(f"call #{seq} failed in the transport{who}: {text[:300]}", ranks=missing) from exc
+
+    # ------------------------------------------------------------------ construction from the environment
+    @classmethod
+    def _init_default(cls, rank: int, world: int, timeout: datetime.timedelta) -> None:
+        raise NotImplementedError
+
+    @classmethod
+    def from_env(cls, *, timeout: float | datetime.timedelta | None = None, **kwargs: Any) -> Any:
+        """Initialize torch.distributed from the torchrun variables and return a communicator.
+
+        Reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (and LOCAL_RANK for the device). The
+        communicator owns the default process group: ``close()`` destroys it.
+        """
+        missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+        if missing:
+            raise CommunicatorStateError(
+                f"{cls.__name__}.from_env() needs the torchrun variables; {', '.join(missing)} not set. "
+                f"Run under torchrun, or use distcomm.launch()")
+        if dist.is_initialized():
+            raise CommunicatorStateError(
+                f"torch.distributed is already initialized; use {cls.__name__}() to adopt its default group")
+        try:
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        except ValueError as e:
+            raise CommunicatorStateError(f"RANK/WORLD_SIZE must be integers: {e}") from e
+        seconds = _seconds(timeout, DEFAULT_TIMEOUT)
+        assert seconds is not None
+        cls._init_default(rank, world, datetime.timedelta(seconds=seconds))
+        try:
+            return cls(None, timeout=timeout, _owns_default=True, **kwargs)
+        except BaseException:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            raise
+
+
+class GlooCommunicator(_TorchCommunicator):
+    """A communicator over a gloo process group (CPU).
+
+    Args:
+        group: the process group; None adopts the default group of an initialized
+            torch.distributed (see ``from_env`` and ``distcomm.launch`` to start one).
+        machine: a name for this process's machine, used to compute local ranks; default: the
+            torchrun node rank under torchrun, else the host name.
+        timeout, serializer, max_bytes, slot_bytes, receive_cuda_on: see ``Communicator``.
+
+    Construction is collective: every rank of the group must create its communicator, in the
+    same order; it creates one group per machine, eagerly.
+    """
+
+    _kind = "gloo"
+
+    def _check_backend(self, backend: str) -> None:
+        if "gloo" not in str(backend):
+            raise ValueError(
+                f"GlooCommunicator needs a gloo process group, this one's backend is {backend!r}; "
+                f"use NcclCommunicator for NCCL")
+
+    @classmethod
+    def _init_default(cls, rank: int, world: int, timeout: datetime.timedelta) -> None:
+        dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world, timeout=timeout)
+
+
+class NcclCommunicator(_TorchCommunicator):
+    """A communicator whose tensor collectives run over NCCL on this rank's CUDA device.
+
+    Object collectives go over a gloo side group that the communicator creates and owns, so
+    objects never stage through GPU memory. The device is bound explicitly: ``device=None``
+    takes ``cuda:<local_rank % device_count>``.
+
+    Args:
+        group: an NCCL process group; None adopts the default group.
+        device: the CUDA device for tensor collectives (an index, a string or a torch.device).
+        machine, timeout, serializer, max_bytes, slot_bytes, receive_cuda_on: see GlooCommunicator.
+    """
+
+    _kind = "nccl"
+
+    def __init__(self, group: Any = None, *, device: int | str | torch.device | None = None, **kwargs: Any) -> None:
+        if not torch.cuda.is_available():
+            raise CommunicatorStateError(
+                "NcclCommunicator needs CUDA and NCCL, and this machine has no CUDA device "
+                "(torch.cuda.is_available() is False); use GlooCommunicator on CPU")
+        if not dist.is_available() or not dist.is_nccl_available():
+            raise CommunicatorStateError("NcclCommunicator needs NCCL, and this torch build has none")
+        self._requested_device = device
+        self._device = torch.device("cuda", 0)
+        super().__init__(group, **kwargs)
+
+    def _check_backend(self, backend: str) -> None:
+        if "nccl" not in str(backend):
+            raise ValueError(
+                f"NcclCommunicator needs an NCCL process group, this one's backend is {backend!r}; "
+                f"use GlooCommunicator for gloo")
+
+    def _object_group(self) -> Any:
+        g = dist.new_group(self._ranks, backend="gloo", timeout=_td(self._timeout),
+                           use_local_synchronization=not self._is_world)
+        self._owned.append(g)
+        return g
+
+    def _local_backend(self) -> str | None:
+        return "nccl"
+
+    def _setup(self, machine: str) -> None:
+        super()._setup(machine)
+        dev = self._requested_device
+        count = torch.cuda.device_count()
+        if dev is None:
+            device = torch.device("cuda", self._local_rank % count)
+        else:
+            device = torch.device(dev) if not isinstance(dev, int) else torch.device("cuda", dev)
+            if device.type != "cuda":
+                raise ValueError(f"NcclCommunicator needs a CUDA device, got {device}")
+            if device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+            if device.index >= count:
+                raise ValueError(f"device {device} does not exist: this machine has {count} CUDA devices")
+        torch.cuda.set_device(device)
+        self._device = device
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def _device_barrier(self, timeout: float | None) -> None:
+        try:
+            dist.barrier(group=self._group, device_ids=[self._device.index])
+        except Exception as e:
+            self._fail(e, timeout)
+
+    @classmethod
+    def _init_default(cls, rank: int, world: int, timeout: datetime.timedelta) -> None:
+        if not torch.cuda.is_available():
+            raise CommunicatorStateError(
+                "NcclCommunicator needs CUDA and NCCL, and this machine has no CUDA device; "
+                "use GlooCommunicator on CPU")
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        device = torch.device("cuda", local % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", init_method="env://", rank=rank, world_size=world, timeout=timeout,
+                                device_id=device)

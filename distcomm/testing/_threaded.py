@@ -1,0 +1,224 @@
+"""An in-process world: N ranks as threads, exchanging bytes through shared mailboxes."""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from .._communicator import Communicator
+from .._context import use
+from .._errors import CollectiveError, CollectiveTimeoutError, DistCommError, RankFailedError
+
+__all__ = ["ThreadedCommunicator", "run_threaded"]
+
+_R = TypeVar("_R")
+
+
+class _World:
+    """Rendezvous points and mailboxes shared by the ranks of one threaded world."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.cond = threading.Condition()
+        self.slots: dict[int, list[torch.Tensor | None]] = {}
+        self.reduces: dict[int, list[torch.Tensor | None]] = {}
+        self.taken: dict[tuple[str, int], int] = {}
+        self.mail: dict[tuple[int, int], deque[torch.Tensor]] = {}
+        self.failed: tuple[int, BaseException] | None = None
+
+    def abort(self, rank: int, exc: BaseException) -> None:
+        with self.cond:
+            if self.failed is None:
+                self.failed = (rank, exc)
+            self.cond.notify_all()
+
+    def _check(self, me: int) -> None:
+        if self.failed is not None:
+            r, exc = self.failed
+            raise CollectiveError(
+                f"rank {me}: collective abandoned because rank {r} failed: {type(exc).__name__}: {exc}", ranks=[r])
+
+    def _wait(self, me: int, ready: Callable[[], bool], deadline: float | None, what: str,
+              missing: Callable[[], list[int]]) -> None:
+        while not ready():
+            self._check(me)
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                gone = missing()
+                raise CollectiveTimeoutError(
+                    f"rank {me}: {what} timed out; rank{'s' if len(gone) > 1 else ''} "
+                    f"{', '.join(map(str, gone))} never arrived", ranks=gone)
+            self.cond.wait(timeout=0.5 if left is None else min(left, 0.5))
+
+    def gather(self, table: dict[int, list[torch.Tensor | None]], kind: str, gen: int, me: int,
+               value: torch.Tensor, deadline: float | None) -> list[torch.Tensor]:
+        with self.cond:
+            self._check(me)
+            entry = table.setdefault(gen, [None] * self.size)
+            entry[me] = value
+            self.cond.notify_all()
+            self._wait(me, lambda: all(v is not None for v in entry), deadline, f"{kind} #{gen}",
+                       lambda: [r for r, v in enumerate(entry) if v is None])
+            out = [v for v in entry if v is not None]
+            key = (kind, gen)
+            self.taken[key] = self.taken.get(key, 0) + 1
+            if self.taken[key] == self.size:
+                del table[gen], self.taken[key]
+            return out
+
+    def send(self, src: int, dst: int, tensor: torch.Tensor) -> None:
+        with self.cond:
+            self._check(src)
+            self.mail.setdefault((src, dst), deque()).append(tensor)
+            self.cond.notify_all()
+
+    def recv(self, src: int, dst: int, deadline: float | None) -> torch.Tensor:
+        with self.cond:
+            box = self.mail.setdefault((src, dst), deque())
+            self._wait(dst, lambda: bool(box), deadline, f"receive from rank {src}", lambda: [src])
+            return box.popleft()
+
+
+class ThreadedCommunicator(Communicator):
+    """One rank of an in-process world made by ``run_threaded``.
+
+    It runs the same pipeline as GlooCommunicator (serialize, slot exchange, exact-size transfers,
+    deserialize); only the transport differs: bytes are copied between threads, never shared.
+    """
+
+    def __init__(self, world: _World, rank: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._world = world
+        self._rank = rank
+        self._slot_gen = 0
+        self._reduce_gen = 0
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world.size
+
+    @property
+    def local_size(self) -> int:
+        return self._world.size
+
+    @property
+    def local_rank(self) -> int:
+        return self._rank
+
+    def _deadline(self, timeout: float | None) -> float | None:
+        return None if timeout is None else time.monotonic() + timeout
+
+    def _guard(self, fn: Callable[[], _R]) -> _R:
+        try:
+            return fn()
+        except CollectiveTimeoutError as e:
+            self._mark_broken(str(e))
+            raise
+
+    def _allgather_slots(self, slot: torch.Tensor, timeout: float | None) -> torch.Tensor:
+        self._slot_gen += 1
+        gen, deadline = self._slot_gen, self._deadline(timeout)
+        parts = self._guard(lambda: self._world.gather(self._world.slots, "slot exchange", gen, self._rank,
+                                                       slot.clone(), deadline))
+        return torch.cat(parts)
+
+    def _exchange(
+        self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]], timeout: float | None
+    ) -> None:
+        deadline = self._deadline(timeout)
+        for dst, t in sends:
+            self._world.send(self._rank, dst, t.clone())
+        for src, buf in recvs:
+            got = self._guard(lambda src=src: self._world.recv(src, self._rank, deadline))  # type: ignore[misc]
+            if got.numel() != buf.numel():
+                raise CollectiveError(f"rank {self._rank}: expected {buf.numel()} bytes from rank {src}, got {got.numel()}",
+                                      ranks=[src])
+            buf.copy_(got)
+
+    def _reduce_tensor(self, tensor: torch.Tensor, dst: int | None, timeout: float | None) -> None:
+        self._reduce_gen += 1
+        gen, deadline = self._reduce_gen, self._deadline(timeout)
+        values = self._guard(lambda: self._world.gather(self._world.reduces, "reduce", gen, self._rank,
+                                                        tensor.clone(), deadline))
+        if dst is None or dst == self._rank:
+            total = values[0].clone()
+            for v in values[1:]:
+                total += v
+            tensor.copy_(total)
+
+
+def run_threaded(fn: Callable[[ThreadedCommunicator], _R], world_size: int, *, timeout: float = 60.0,
+                 **comm_kwargs: Any) -> list[_R]:
+    """Run ``fn(comm)`` for every rank of an in-process world, each in its own thread.
+
+    Each thread also has its comm installed with ``use()``, so module-level helpers see that
+    rank. Objects cross ranks through the real serialize / transfer / deserialize pipeline.
+
+    Args:
+        fn: the per-rank function; its return values come back in rank order.
+        world_size: number of ranks.
+        timeout: seconds for the whole world, and the default collective timeout.
+        comm_kwargs: passed to each ThreadedCommunicator (serializer=, max_bytes=, ...).
+
+    Raises:
+        RankFailedError: a rank raised (the first failing rank and its exception are named; the
+            other ranks are released from their collectives at once), or ranks did not finish
+            within ``timeout`` (they are named).
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    if timeout <= 0:
+        raise ValueError(f"timeout must be positive, got {timeout}")
+    comm_kwargs.setdefault("timeout", timeout)
+    world = _World(world_size)
+    comms = [ThreadedCommunicator(world, r, **comm_kwargs) for r in range(world_size)]
+    results: list[Any] = [None] * world_size
+    errors: dict[int, BaseException] = {}
+    order: list[int] = []
+    tracebacks: dict[int, str] = {}
+
+    def target(r: int) -> None:
+        try:
+            with use(comms[r]):
+                results[r] = fn(comms[r])
+        except BaseException as e:
+            errors[r] = e
+            order.append(r)
+            tracebacks[r] = traceback.format_exc()
+            world.abort(r, e)
+
+    threads = [threading.Thread(target=target, args=(r,), name=f"distcomm-rank-{r}", daemon=True)
+               for r in range(world_size)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(deadline - time.monotonic(), 0.0))
+    hung = [r for r, t in enumerate(threads) if t.is_alive()]
+    if hung:
+        world.abort(hung[0], TimeoutError(f"world timed out after {timeout}s"))
+        raise RankFailedError(
+            f"threaded world of {world_size} timed out after {timeout}s: rank{'s' if len(hung) > 1 else ''} "
+            f"{', '.join(map(str, hung))} did not finish", rank=hung[0], errors=errors)
+    if errors:
+        # the root cause: the first rank whose error was not caused by another rank's failure
+        causes = [r for r in order if not isinstance(errors[r], DistCommError)] or order
+        r = causes[0]
+        exc = errors[r]
+        others = "".join(f"\n  rank {o}: {type(errors[o]).__name__}: {errors[o]}" for o in sorted(errors) if o != r)
+        raise RankFailedError(
+            f"rank {r} raised {type(exc).__name__}: {exc}" + (f"\nother ranks:{others}" if others else ""),
+            rank=r, exception=exc, remote_traceback=tracebacks[r], errors=errors) from exc
+    for c in comms:
+        c.close()
+    return results
