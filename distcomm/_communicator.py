@@ -35,7 +35,6 @@ from ._errors import (
     CollectiveError,
     CollectiveMismatchError,
     CommunicatorStateError,
-    DistCommError,
     FrameError,
     PayloadTooLargeError,
     SerializationError,
@@ -356,7 +355,8 @@ class Communicator(abc.ABC):
         if self.rank == src:
             problem = None
             if objs is None or isinstance(objs, (str, bytes)) or not isinstance(objs, Sequence):
-                problem = f"scatter on src {src} needs a sequence of {self.world_size} objects, got {type(objs).__name__}"
+                problem = (f"scatter on src {src} needs a sequence of {self.world_size} objects, "
+                           f"got {type(objs).__name__}")
             elif len(objs) != self.world_size:
                 problem = f"scatter on src {src} got {len(objs)} objects for world_size {self.world_size}"
             if self.world_size == 1:
@@ -429,9 +429,11 @@ class Communicator(abc.ABC):
         if not names:
             return {}
         with torch.no_grad():
-            values = torch.stack([input_dict[k].detach().reshape(()) for k in names])
+            dtypes = [input_dict[k].dtype for k in names]
+            common = dtypes[0] if len(set(dtypes)) == 1 else torch.float64  # mixed: reduce exactly in float64
+            values = torch.stack([input_dict[k].detach().reshape(()).to(common) for k in names])
             if average and not (values.is_floating_point() or values.is_complex()):
-                values = values.to(torch.get_default_dtype())
+                values = values.to(torch.float64)
             orig = values.device
             work = values.to(self.device) if values.device != self.device else values.clone()
             st = self._stat(op)
@@ -443,7 +445,13 @@ class Communicator(abc.ABC):
             if average:
                 work /= self.world_size
             work = work.to(orig)
-        return {k: work[i].reshape(input_dict[k].shape) for i, k in enumerate(names)}
+        out = {}
+        for i, k in enumerate(names):
+            v, dt = work[i].reshape(input_dict[k].shape), input_dict[k].dtype
+            # sums keep each value's dtype; averages of integers become the default float dtype
+            keep = not average or dt.is_floating_point or dt.is_complex
+            out[k] = v.to(dt if keep else torch.get_default_dtype())
+        return out
 
     def _key_mismatch(self, names: list[Any], timeout: float | None) -> None:
         everyone = self._run(Op.KEYS, -1, [repr(k) for k in names], timeout)
@@ -477,7 +485,10 @@ class Communicator(abc.ABC):
         except Exception as e:  # any failure of user objects' pickling is reported on every rank
             return [], _frame.SERIALIZE_FAILED, f"{type(e).__name__}: {e}"
 
-    def _build_slot(self, op: Op, seq: int, root: int, digest: int, parts: list[list[memoryview]]) -> tuple[bytearray, list[list[memoryview]], int]:
+    def _build_slot(
+        self, op: Op, seq: int, root: int, digest: int, parts: list[list[memoryview]]
+    ) -> tuple[bytearray, list[list[memoryview]]]:
+        """The slot, and the parts as they travel (each packed into one segment if the table overflows)."""
         flags = 0
         if _frame.table_size([len(p) for p in parts]) > self.slot_bytes:
             parts = [[memoryview(_frame.pack(p))] for p in parts]
@@ -486,8 +497,8 @@ class Communicator(abc.ABC):
                 return _frame.encode_status(
                     _frame.INVALID, op, seq, root,
                     f"{len(parts)} parts don't fit a slot of {self.slot_bytes} bytes; raise slot_bytes",
-                    self.slot_bytes), [], 0
-        return _frame.encode(op, seq, root, digest, parts, self.slot_bytes, flags=flags), parts, flags
+                    self.slot_bytes), []
+        return _frame.encode(op, seq, root, digest, parts, self.slot_bytes, flags=flags), parts
 
     def _run(
         self,
@@ -517,9 +528,8 @@ class Communicator(abc.ABC):
                 total = sum(s.nbytes for p in parts for s in p)
                 if total > self.max_bytes:
                     status, message = _frame.TOO_LARGE, f"payload of {total} bytes is over max_bytes={self.max_bytes}"
-        flags = 0
         if status == _frame.OK:
-            slot, parts, flags = self._build_slot(op, seq, root, digest, parts)
+            slot, parts = self._build_slot(op, seq, root, digest, parts)
         else:
             slot = _frame.encode_status(status, op, seq, root, message, self.slot_bytes)
         t1 = time.perf_counter()
@@ -532,9 +542,10 @@ class Communicator(abc.ABC):
         slots = []
         for r in range(self.world_size):
             try:
-                slots.append(_frame.decode(memoryview(raw[r * self.slot_bytes : (r + 1) * self.slot_bytes])))
+                slots.append(_frame.decode(memoryview(raw[r * self.slot_bytes : (r + 1) * self.slot_bytes])))  # type: ignore[arg-type]
             except FrameError as e:
-                raise FrameError(f"{op.label} #{seq}: slot from rank {r} is corrupt: {e}", op=op.label, ranks=[r]) from e
+                raise FrameError(f"{op.label} #{seq}: slot from rank {r} is corrupt: {e}",
+                                 op=op.label, ranks=[r]) from e
         self._agree(op, seq, root, slots)
         if on_digest_mismatch is not None and len({s.header.digest for s in slots}) > 1:
             on_digest_mismatch()
@@ -558,12 +569,12 @@ class Communicator(abc.ABC):
         token = _CUDA_TARGET.set(self._cuda_target())
         try:
             for src, segs in plan.incoming.items():
-                views = [s if isinstance(s, memoryview) else memoryview(s.numpy()) for s in segs]
+                views = [s if isinstance(s, memoryview) else memoryview(s.numpy()) for s in segs]  # type: ignore[arg-type]
                 if plan.packed.get(src):
                     views = _frame.unpack(views[0])
                 try:
                     results[self.rank if op is Op.SCATTER else src] = self.serializer.loads(views)
-                except DistCommError as e:
+                except CollectiveError as e:
                     e.args = (f"{op.label} #{seq}: can't load the object from rank {src}: {e}",)
                     e.op, e.ranks = op.label, (src,)
                     raise
@@ -582,7 +593,7 @@ class Communicator(abc.ABC):
             return None
         if self.device.type == "cuda":
             return self.device
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
             return torch.device("cuda", torch.cuda.current_device())
         return None
 

@@ -95,7 +95,7 @@ def launch(
         dist_url = f"tcp://127.0.0.1:{free_port()}"
     assert dist_url is not None
     payload = cloudpickle.dumps((main_func, tuple(args)))
-    mp.start_processes(
+    mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
         _worker,
         args=(payload, num_processes_per_machine, num_machines, machine_rank, dist_url, backend, float(timeout)),
         nprocs=num_processes_per_machine,

@@ -67,14 +67,14 @@ def _rebuild_tensor(
 def _reduce_tensor(t: torch.Tensor) -> Any:
     """Reduce a dense tensor to its raw bytes as a PickleBuffer (out of band when large)."""
     if t.layout != torch.strided or t.is_quantized or t.is_meta or t.is_nested:
-        return t.__reduce_ex__(2)
+        return t.__reduce_ex__(2)  # type: ignore[no-untyped-call]
     src = t.detach()
     was_cuda = src.device.type != "cpu"
     if was_cuda:
         src = src.cpu()  # CUDA tensors travel through CPU; no context is created on peers' devices
     src = src.resolve_conj().resolve_neg().contiguous()
     if src.numel():
-        data: Any = pickle.PickleBuffer(src.reshape(-1).view(torch.uint8).numpy())
+        data: Any = pickle.PickleBuffer(src.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
     else:
         data = b""
     return _rebuild_tensor, (data, src.dtype, tuple(src.shape), t.requires_grad, was_cuda)
@@ -83,12 +83,17 @@ def _reduce_tensor(t: torch.Tensor) -> Any:
 _TABLE: dict[type, Callable[[Any], Any]] = {torch.Tensor: _reduce_tensor}
 
 
+_PICKLE_TABLE: Any = ChainMap(_TABLE, copyreg.dispatch_table)
+_CLOUDPICKLE_TABLE: Any = ChainMap(_TABLE, cloudpickle.Pickler.dispatch_table)
+
+
+# The C pickler reads dispatch_table when it is created, so it must be a class attribute.
 class _Pickler(pickle.Pickler):
-    dispatch_table = ChainMap(_TABLE, copyreg.dispatch_table)  # type: ignore[arg-type]
+    dispatch_table = _PICKLE_TABLE
 
 
 class _CloudPickler(cloudpickle.Pickler):  # type: ignore[misc]
-    dispatch_table = ChainMap(_TABLE, cloudpickle.Pickler.dispatch_table)
+    dispatch_table = _CLOUDPICKLE_TABLE
 
 
 class Serializer(abc.ABC):
@@ -166,11 +171,11 @@ def _name_of(item: Any) -> tuple[str, str]:
         if not module:
             raise ValueError(f"allow entry {item!r} must be 'module.Name'")
         return module, name
-    module = getattr(item, "__module__", None)
+    mod = getattr(item, "__module__", None)
     qualname = getattr(item, "__qualname__", None)
-    if not isinstance(module, str) or not isinstance(qualname, str):
+    if not isinstance(mod, str) or not isinstance(qualname, str):
         raise TypeError(f"allow entry {item!r} must be a class, a function or a 'module.Name' string")
-    return module, qualname
+    return mod, qualname
 
 
 _SAFE_BUILTINS = frozenset(

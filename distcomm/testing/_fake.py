@@ -177,7 +177,7 @@ class FakeCommunicator(Communicator):
         parts, status, message = self._serialize_local(op, root, pobj, rank=r)
         if status != _frame.OK:
             return _frame.encode_status(status, op, seq, root, message, self.slot_bytes)
-        slot, parts, _ = self._build_slot(op, seq, root, 0, parts)
+        slot, parts = self._build_slot(op, seq, root, 0, parts)
         decoded = _frame.decode(slot)
         queue: deque[memoryview] = deque()
         for p, dst in self._receivers(op, root, r):

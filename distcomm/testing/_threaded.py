@@ -141,8 +141,8 @@ class ThreadedCommunicator(Communicator):
         for src, buf in recvs:
             got = self._guard(lambda src=src: self._world.recv(src, self._rank, deadline))  # type: ignore[misc]
             if got.numel() != buf.numel():
-                raise CollectiveError(f"rank {self._rank}: expected {buf.numel()} bytes from rank {src}, got {got.numel()}",
-                                      ranks=[src])
+                raise CollectiveError(
+                    f"rank {self._rank}: expected {buf.numel()} bytes from rank {src}, got {got.numel()}", ranks=[src])
             buf.copy_(got)
 
     def _reduce_tensor(self, tensor: torch.Tensor, dst: int | None, timeout: float | None) -> None:

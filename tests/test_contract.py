@@ -1,0 +1,50 @@
+"""The contract suite over every communicator kind: Local, Fake, threaded worlds, real gloo worlds."""
+
+from __future__ import annotations
+
+import pytest
+
+import distcomm
+from distcomm.testing import FakeCommunicator, run_threaded, spawn
+from tests.contract import check, exercise, peers
+
+
+def test_local() -> None:
+    with distcomm.LocalCommunicator() as comm:
+        check(exercise(comm), local=(0, 1))
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_fake_every_rank(world_size: int) -> None:
+    for rank in range(world_size):
+        comm = FakeCommunicator(rank, world_size, peers=peers)
+        check(exercise(comm), local=(rank, world_size))
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_threaded(world_size: int) -> None:
+    results = run_threaded(exercise, world_size, timeout=60)
+    for r, result in enumerate(results):
+        check(result, local=(r, world_size))
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_gloo(world_size: int) -> None:
+    results = spawn(exercise, world_size, timeout=120)
+    for r, result in enumerate(results):
+        check(result, local=(r, world_size))
+
+
+@pytest.mark.parametrize("slot_bytes", [256, 1 << 16])
+def test_gloo_slot_sizes(slot_bytes: int) -> None:
+    """A tiny slot packs segment tables; a large one inlines everything: same results."""
+    results = spawn(exercise, 2, timeout=120, slot_bytes=slot_bytes)
+    for r, result in enumerate(results):
+        check(result, local=(r, 2))
+
+
+def test_threaded_tiny_slot_and_no_oob() -> None:
+    ser = distcomm.PickleSerializer(oob_threshold=0)
+    results = run_threaded(exercise, 3, timeout=60, slot_bytes=256, serializer=ser)
+    for r, result in enumerate(results):
+        check(result, local=(r, 3))
