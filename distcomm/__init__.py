@@ -47,12 +47,12 @@ from ._torch import GlooCommunicator, NcclCommunicator
 __version__ = "0.1.0"
 
 __all__ = [
-    "DEFAULT_TIMEOUT",
     "CollectiveError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "Communicator",
     "CommunicatorStateError",
+    "DEFAULT_TIMEOUT",
     "DistCommError",
     "FrameError",
     "GlooCommunicator",

@@ -1,0 +1,111 @@
+"""launch() over two simulated machines, and a from_env() script under torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import distcomm
+
+LAUNCHED = textwrap.dedent("""
+    import json, sys
+    import distcomm
+
+    def main(out_dir):
+        comm = distcomm.current()
+        info = {
+            "rank": comm.rank, "world": comm.world_size, "local_rank": comm.local_rank,
+            "local_size": comm.local_size, "helper_local_rank": distcomm.get_local_rank(),
+            "helper_local_size": distcomm.get_local_size(), "type": type(comm).__name__,
+            "machines": distcomm.all_gather(int(sys.argv[1])),
+        }
+        with open(f"{out_dir}/rank{comm.rank}.json", "w") as f:
+            json.dump(info, f)
+
+    if __name__ == "__main__":
+        machine, url, out_dir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+        distcomm.launch(main, 2, num_machines=2, machine_rank=machine, dist_url=url, args=(out_dir,), timeout=60)
+""")
+
+
+def _run_all(cmds: list[list[str]], cwd: Path, timeout: float = 150) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    procs = [subprocess.Popen(c, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for c in cmds]
+    try:
+        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-3000:]
+
+
+def test_launch_two_simulated_machines(tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(LAUNCHED)
+    url = f"tcp://127.0.0.1:{distcomm.free_port()}"
+    _run_all([[sys.executable, str(script), str(m), url, str(tmp_path)] for m in (0, 1)], tmp_path)
+    infos = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    for r, info in enumerate(infos):
+        assert info["rank"] == r and info["world"] == 4 and info["type"] == "GlooCommunicator"
+        assert (info["local_rank"], info["local_size"]) == (r % 2, 2)
+        assert (info["helper_local_rank"], info["helper_local_size"]) == (r % 2, 2)
+        assert info["machines"] == [0, 0, 1, 1]
+
+
+def test_launch_one_machine_with_a_closure(tmp_path: Path) -> None:
+    script = tmp_path / "one.py"
+    script.write_text(textwrap.dedent(f"""
+        import distcomm
+        out = {str(tmp_path)!r}
+        if __name__ == "__main__":
+            tag = "closure"
+            distcomm.launch(lambda: open(f"{{out}}/r{{distcomm.get_rank()}}", "w").write(
+                tag + str(distcomm.all_gather(distcomm.get_local_rank()))), 2)
+    """))
+    _run_all([[sys.executable, str(script)]], tmp_path)
+    assert [(tmp_path / f"r{r}").read_text() for r in range(2)] == ["closure[0, 1]", "closure[0, 1]"]
+
+
+def test_launch_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="num_processes_per_machine"):
+        distcomm.launch(print, 0)
+    with pytest.raises(ValueError, match="machine_rank=2 is out of range"):
+        distcomm.launch(print, 1, num_machines=2, machine_rank=2, dist_url="tcp://127.0.0.1:1")
+    with pytest.raises(ValueError, match="dist_url='auto' only works with num_machines=1"):
+        distcomm.launch(print, 1, num_machines=2)
+    with pytest.raises(ValueError, match="backend"):
+        distcomm.launch(print, 1, backend="mpi")
+    with pytest.raises(TypeError, match="callable"):
+        distcomm.launch("main", 1)  # type: ignore[arg-type]
+
+
+TORCHRUN = textwrap.dedent("""
+    import json, sys
+    import distcomm
+
+    with distcomm.GlooCommunicator.from_env(timeout=60) as comm, distcomm.use(comm):
+        info = {"rank": comm.rank, "local": [comm.local_rank, comm.local_size],
+                "all": distcomm.all_gather(comm.rank), "red": float(comm.all_reduce_dict(
+                    {"x": __import__("torch").tensor(float(comm.rank))})["x"])}
+        with open(f"{sys.argv[1]}/tr{comm.rank}.json", "w") as f:
+            json.dump(info, f)
+""")
+
+
+def test_from_env_under_torchrun(tmp_path: Path) -> None:
+    script = tmp_path / "tr.py"
+    script.write_text(TORCHRUN)
+    port = distcomm.free_port()
+    _run_all([[sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+               "127.0.0.1", "--master-port", str(port), str(script), str(tmp_path)]], tmp_path)
+    for r in range(2):
+        info = json.loads((tmp_path / f"tr{r}.json").read_text())
+        assert info == {"rank": r, "local": [r, 2], "all": [0, 1], "red": 0.5}
