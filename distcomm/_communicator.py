@@ -566,7 +566,7 @@ class Communicator(abc.ABC):
             results[self.rank] = obj[self.rank] if self.rank == root else None
         elif op is not Op.BROADCAST or self.rank == root:
             results[self.rank] = obj
-        token = _CUDA_TARGET.set(self._cuda_target())
+        token = _CUDA_TARGET.set(self._cuda_target)
         try:
             for src, segs in plan.incoming.items():
                 views = [s if isinstance(s, memoryview) else memoryview(s.numpy()) for s in segs]  # type: ignore[arg-type]

@@ -32,8 +32,9 @@ __all__ = ["PickleSerializer", "SafeSerializer", "Serializer", "default_serializ
 
 DEFAULT_OOB_THRESHOLD = 64 * 1024
 
-# Where tensors that were on a CUDA device when sent are rebuilt on this rank (None: CPU).
-_CUDA_TARGET: contextvars.ContextVar[torch.device | None] = contextvars.ContextVar(
+# Tells where tensors that were on a CUDA device when sent are rebuilt on this rank (None: CPU);
+# set by the receiving communicator, called only when such a tensor arrives.
+_CUDA_TARGET: contextvars.ContextVar[Callable[[], torch.device | None] | None] = contextvars.ContextVar(
     "distcomm_cuda_target", default=None
 )
 
@@ -56,7 +57,8 @@ def _rebuild_tensor(
             flat = torch.frombuffer(mv, dtype=torch.uint8)
     t = flat.view(dtype).reshape(shape)
     if was_cuda:
-        target = _CUDA_TARGET.get()
+        where = _CUDA_TARGET.get()
+        target = where() if where is not None else None
         if target is not None:
             t = t.to(target)
     if requires_grad:

@@ -202,10 +202,18 @@ def run_threaded(fn: Callable[[ThreadedCommunicator], _R], world_size: int, *, t
     for t in threads:
         t.start()
     deadline = time.monotonic() + timeout
-    for t in threads:
-        t.join(max(deadline - time.monotonic(), 0.0))
+    failed_at: float | None = None
+    while any(t.is_alive() for t in threads):
+        now = time.monotonic()
+        if now >= deadline:
+            break
+        if errors:
+            failed_at = failed_at or now
+            if now - failed_at > 1.0:  # ranks busy outside collectives can't be released: don't wait
+                break
+        next(t for t in threads if t.is_alive()).join(0.05)
     hung = [r for r, t in enumerate(threads) if t.is_alive()]
-    if hung:
+    if hung and not errors:
         world.abort(hung[0], TimeoutError(f"world timed out after {timeout}s"))
         raise RankFailedError(
             f"threaded world of {world_size} timed out after {timeout}s: rank{'s' if len(hung) > 1 else ''} "
@@ -216,6 +224,7 @@ def run_threaded(fn: Callable[[ThreadedCommunicator], _R], world_size: int, *, t
         r = causes[0]
         exc = errors[r]
         others = "".join(f"\n  rank {o}: {type(errors[o]).__name__}: {errors[o]}" for o in sorted(errors) if o != r)
+        others += "".join(f"\n  rank {o}: still running (left behind as a daemon thread)" for o in hung)
         raise RankFailedError(
             f"rank {r} raised {type(exc).__name__}: {exc}" + (f"\nother ranks:{others}" if others else ""),
             rank=r, exception=exc, remote_traceback=tracebacks[r], errors=errors) from exc

@@ -1,0 +1,302 @@
+"""distcomm's object collectives against torch.distributed's, a naive pad-to-largest pipeline, and the floor.
+
+    python benchmarks/run.py            (or: make bench)
+
+Implementations, each on the same gloo process group over 127.0.0.1:
+- distcomm: GlooCommunicator.all_gather / gather.
+- torch: torch.distributed.all_gather_object / gather_object.
+- naive: pickle to bytes, exchange sizes, pad every rank to the largest, exchange, unpickle (the
+  reference module's pipeline, written here).
+- floor: a raw tensor collective of the same bytes into a freshly allocated buffer, no
+  serialization (all_gather_into_tensor / gather; each rank padded to the largest when sizes differ).
+
+Times are medians over interleaved repetitions (each repetition runs every implementation once,
+in turn), each the slowest rank's time; ratios are taken within one run. Peak memory is the rise
+of each process's peak RSS during one collective of a 256 MiB array per rank, each implementation
+in fresh processes. Writes benchmarks/results/results.md, results.json and time_vs_size.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pickle
+import platform
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import distcomm
+
+RESULTS = Path(__file__).resolve().parent / "results"
+MiB = 1 << 20
+
+
+# ---------------------------------------------------------------- payloads
+def payload(name: str, rank: int, size: int = 32 * MiB) -> Any:
+    if name == "dict of 8 floats":
+        return {f"metric_{i}": float(rank + i / 7) for i in range(8)}
+    if name == "2,000 small dicts":
+        rng = np.random.default_rng(rank)
+        return [{"image_id": int(i), "category_id": int(rng.integers(90)), "bbox": rng.random(4).tolist(),
+                 "score": float(rng.random())} for i in range(2000)]
+    if name == "32 MiB array":
+        return np.full(size // 8, rank, dtype=np.float64)
+    if name == "32 MiB tensor":
+        return torch.full((size // 4,), float(rank))
+    if name == "skewed 32 MiB":
+        return np.full(size // 8, 1.0) if rank == 0 else {"rank": rank}
+    if name == "array":
+        return np.full(max(size // 8, 1), rank, dtype=np.float64)
+    raise ValueError(name)
+
+
+def payload_bytes(obj: Any) -> int:
+    if isinstance(obj, np.ndarray):
+        return int(obj.nbytes)
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    return len(pickle.dumps(obj))
+
+
+# ---------------------------------------------------------------- implementations
+def naive_all_gather(obj: Any, gather_to: int | None = None) -> list[Any]:
+    """The reference module's pipeline: pickle, pad to the largest, exchange, slice, unpickle."""
+    buf = pickle.dumps(obj)
+    tensor = torch.ByteTensor(torch.ByteStorage.from_buffer(buf))  # type: ignore[attr-defined]
+    world = dist.get_world_size()
+    local = torch.tensor([tensor.numel()], dtype=torch.int64)
+    sizes_t = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes_t, local)
+    sizes = [int(s.item()) for s in sizes_t]
+    biggest = max(sizes)
+    if tensor.numel() != biggest:
+        tensor = torch.cat((tensor, torch.zeros(biggest - tensor.numel(), dtype=torch.uint8)))
+    if gather_to is None:
+        outs = [torch.empty(biggest, dtype=torch.uint8) for _ in sizes]
+        dist.all_gather(outs, tensor)
+    elif dist.get_rank() == gather_to:
+        outs = [torch.empty(biggest, dtype=torch.uint8) for _ in sizes]
+        dist.gather(tensor, outs, dst=gather_to)
+    else:
+        dist.gather(tensor, [], dst=gather_to)
+        return []
+    return [pickle.loads(o.numpy().tobytes()[:n]) for n, o in zip(sizes, outs, strict=True)]
+
+
+def floor_sizes(obj: Any) -> tuple[torch.Tensor, int]:
+    """The object's raw bytes as a tensor (no serialization), and the largest size over ranks."""
+    if isinstance(obj, np.ndarray):
+        raw = torch.from_numpy(obj.reshape(-1).view(np.uint8))
+    elif isinstance(obj, torch.Tensor):
+        raw = obj.reshape(-1).view(torch.uint8)
+    else:
+        raw = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, torch.tensor([raw.numel()]))
+    return raw, max(int(s) for s in sizes)
+
+
+def make_impls(comm: distcomm.Communicator, op: str, obj: Any) -> dict[str, Callable[[], Any]]:
+    world, rank = comm.world_size, comm.rank
+    raw, biggest = floor_sizes(obj)
+    if raw.numel() < biggest:
+        raw = torch.cat((raw, torch.zeros(biggest - raw.numel(), dtype=torch.uint8)))
+    if op == "all_gather":
+        def torch_impl() -> Any:
+            out: list[Any] = [None] * world
+            dist.all_gather_object(out, obj)
+            return out
+
+        def floor() -> Any:
+            out = torch.empty(world * biggest, dtype=torch.uint8)
+            dist.all_gather_into_tensor(out, raw)
+            return out
+
+        return {"distcomm": lambda: comm.all_gather(obj), "torch": torch_impl,
+                "naive": lambda: naive_all_gather(obj), "floor": floor}
+
+    def torch_gather() -> Any:
+        out: list[Any] | None = [None] * world if rank == 0 else None
+        dist.gather_object(obj, out, dst=0)
+        return out
+
+    def floor_gather() -> Any:
+        outs = [torch.empty(biggest, dtype=torch.uint8) for _ in range(world)] if rank == 0 else None
+        dist.gather(raw, outs, dst=0)
+        return outs
+
+    return {"distcomm": lambda: comm.gather(obj, dst=0), "torch": torch_gather,
+            "naive": lambda: naive_all_gather(obj, gather_to=0), "floor": floor_gather}
+
+
+# ---------------------------------------------------------------- timing worker
+def _init(rank: int, world: int, port: int) -> distcomm.GlooCommunicator:
+    import warnings
+
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    return distcomm.GlooCommunicator(timeout=300, _owns_default=True)
+
+
+def _reps(name: str, size: int, quick: bool) -> int:
+    """The same on every rank (a rank-dependent count would desynchronize the ranks)."""
+    nbytes = size if name in ("array", "32 MiB array", "32 MiB tensor", "skewed 32 MiB") else 0
+    if nbytes < 64 * 1024:
+        return 60 if quick else 300
+    if nbytes < 4 * MiB:
+        return 20 if quick else 60
+    return 5 if quick else 15
+
+
+def time_worker(rank: int, world: int, port: int, cases: list[tuple[str, str, int]], quick: bool, out: str) -> None:
+    comm = _init(rank, world, port)
+    rows = []
+    for name, op, size in cases:
+        obj = payload(name, rank, size)
+        impls = make_impls(comm, op, obj)
+        nbytes = payload_bytes(obj)
+        for fn in impls.values():  # warm up
+            fn()
+        times: dict[str, list[float]] = {k: [] for k in impls}
+        for _ in range(_reps(name, size, quick)):
+            for key, fn in impls.items():  # interleaved
+                dist.barrier()
+                t0 = time.perf_counter()
+                fn()
+                times[key].append(time.perf_counter() - t0)
+        everyone: list[Any] = [None] * world
+        dist.all_gather_object(everyone, (nbytes, times))
+        if rank == 0:
+            slowest = {k: [max(t[1][k][i] for t in everyone) for i in range(len(times[k]))] for k in times}
+            rows.append({"payload": name, "op": op, "world": world, "size": size,
+                         "bytes_per_rank": [t[0] for t in everyone],
+                         "median_s": {k: statistics.median(v) for k, v in slowest.items()}})
+    if rank == 0:
+        Path(out).write_text(json.dumps(rows))
+    comm.close()
+
+
+# ---------------------------------------------------------------- memory worker
+def _peak_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
+
+
+def memory_worker(rank: int, world: int, port: int, impl: str, op: str, size: int, out: str) -> None:
+    comm = _init(rank, world, port)
+    obj = np.full(size // 8, rank + 1.0)  # pages touched: counted in the baseline
+    fns = make_impls(comm, op, obj)
+    small = make_impls(comm, op, np.ones(16))  # warm up the code paths without the big payload
+    small[impl]()
+    dist.barrier()
+    before = _peak_mib()
+    result = fns[impl]()
+    after = _peak_mib()
+    del result
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, after - before)
+    if rank == 0:
+        Path(out).write_text(json.dumps(everyone))
+    comm.close()
+
+
+def run_world(target: Callable[..., None], world: int, *args: Any) -> None:
+    port = distcomm.free_port()
+    mp.start_processes(target, args=(world, port, *args), nprocs=world, join=True,  # type: ignore[attr-defined]
+                       start_method="spawn")
+
+
+# ---------------------------------------------------------------- report
+def fmt_time(s: float) -> str:
+    return f"{s * 1e6:.0f} µs" if s < 1e-3 else f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--no-plot", action="store_true")
+    args = parser.parse_args()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    tmp = RESULTS / "_tmp.json"
+    names = ["dict of 8 floats", "2,000 small dicts", "32 MiB array", "32 MiB tensor", "skewed 32 MiB"]
+    rows: list[dict[str, Any]] = []
+    for world in (2, 4):
+        cases = [(n, op, 32 * MiB) for n in names for op in ("all_gather", "gather")]
+        run_world(time_worker, world, cases, args.quick, str(tmp))
+        rows += json.loads(tmp.read_text())
+    sweep: list[dict[str, Any]] = []
+    if not args.no_plot:
+        sizes = [1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 23, 1 << 25]
+        run_world(time_worker, 2, [("array", "all_gather", s) for s in sizes], args.quick, str(tmp))
+        sweep = json.loads(tmp.read_text())
+    mem: list[dict[str, Any]] = []
+    if not args.no_memory:
+        for op in ("all_gather", "gather"):
+            for impl in ("distcomm", "torch", "naive", "floor"):
+                run_world(memory_worker, 2, impl, op, 256 * MiB, str(tmp))
+                mem.append({"impl": impl, "op": op, "rise_mib": json.loads(tmp.read_text())})
+    tmp.unlink(missing_ok=True)
+
+    lines = [
+        f"distcomm benchmarks: gloo over 127.0.0.1 on this machine ({os.cpu_count()} CPU cores, "
+        f"{platform.machine()}, Python {platform.python_version()}, torch {torch.__version__}, "
+        f"{'quick' if args.quick else 'full'} run)",
+        "",
+        "Median time of one collective (slowest rank); ratio = distcomm / torch within the same run.",
+        "",
+        "| payload | op | world | distcomm | torch | naive | floor | distcomm/torch | distcomm/floor |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        m = r["median_s"]
+        lines.append(f"| {r['payload']} | {r['op']} | {r['world']} | {fmt_time(m['distcomm'])} | {fmt_time(m['torch'])}"
+                     f" | {fmt_time(m['naive'])} | {fmt_time(m['floor'])} | {m['distcomm'] / m['torch']:.2f}"
+                     f" | {m['distcomm'] / m['floor']:.2f} |")
+    if mem:
+        lines += ["", "Peak RSS rise during one collective of 256 MiB per rank, world 2, as a multiple of the "
+                  "payload (rank 0 is gather's dst).", "",
+                  "| op | impl | rank 0 | rank 1 |", "|---|---|---|---|"]
+        for m in mem:
+            a, b = m["rise_mib"]
+            lines.append(f"| {m['op']} | {m['impl']} | {a / 256:.2f}x | {b / 256:.2f}x |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    (RESULTS / "results.md").write_text(text)
+    (RESULTS / "results.json").write_text(json.dumps({"time": rows, "sweep": sweep, "memory": mem}, indent=1))
+    if sweep:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for impl in ("distcomm", "torch", "naive", "floor"):
+            ax.plot([r["size"] for r in sweep], [r["median_s"][impl] * 1e3 for r in sweep], marker="o", label=impl)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("numpy array per rank (bytes)")
+        ax.set_ylabel("median all_gather time (ms)")
+        ax.set_title("all_gather, 2 gloo ranks over 127.0.0.1")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(RESULTS / "time_vs_size.png", dpi=110)
+        print(f"wrote {RESULTS / 'results.md'} and {RESULTS / 'time_vs_size.png'}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

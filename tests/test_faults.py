@@ -1,0 +1,270 @@
+"""Fault injection: every failure raises a clear error on every rank, fast, and never hangs.
+
+Scenarios that leave the communicator usable run over real gloo processes and in the threaded
+world; each checks the next collective still works. Timeouts and dead peers run over gloo only.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import distcomm
+from distcomm.testing import RankFailedError, run_threaded, spawn
+
+
+def outcome(fn: Any) -> Any:
+    """Run fn(); return ("ok", value) or (error type name, message, ranks) plus the elapsed seconds."""
+    t0 = time.monotonic()
+    try:
+        value = fn()
+        return ("ok", value, (), time.monotonic() - t0)
+    except distcomm.CollectiveError as e:
+        return (type(e).__name__, str(e), e.ranks, time.monotonic() - t0)
+    except distcomm.DistCommError as e:
+        return (type(e).__name__, str(e), (), time.monotonic() - t0)
+
+
+def unpicklable(comm: distcomm.Communicator) -> Any:
+    obj = threading.Lock() if comm.rank == 1 else "fine"
+    return outcome(lambda: comm.all_gather(obj)), comm.all_gather(comm.rank)
+
+
+def mismatched_ops(comm: distcomm.Communicator) -> Any:
+    first = outcome(lambda: comm.all_gather(1) if comm.rank == 0 else comm.broadcast(1, src=0))
+    second = outcome(lambda: comm.gather(1, dst=0 if comm.rank == 0 else 1))
+    return first, second, comm.all_gather(comm.rank)
+
+
+def key_mismatch(comm: distcomm.Communicator) -> Any:
+    d = {"loss": torch.tensor(1.0), ("a" if comm.rank == 0 else "b"): torch.tensor(2.0)}
+    return outcome(lambda: comm.reduce_dict(d)), comm.all_gather(comm.rank)
+
+
+def bad_value(comm: distcomm.Communicator) -> Any:
+    d = {"loss": torch.ones(3) if comm.rank == 1 else torch.tensor(1.0)}
+    return outcome(lambda: comm.all_reduce_dict(d)), comm.all_gather(comm.rank)
+
+
+def wrong_scatter_length(comm: distcomm.Communicator) -> Any:
+    return outcome(lambda: comm.scatter(["only one"] if comm.rank == 0 else None)), comm.all_gather(comm.rank)
+
+
+def too_large(comm: distcomm.Communicator) -> Any:
+    obj = np.zeros(2_000_000, dtype=np.uint8) if comm.rank == 1 else "small"
+    return outcome(lambda: comm.all_gather(obj)), comm.all_gather(comm.rank)
+
+
+class Evil:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> Any:
+        return (os.system, (f"touch {self.path}",))
+
+
+def malicious(path: str) -> Any:
+    def fn(comm: distcomm.Communicator) -> Any:
+        obj = Evil(path) if comm.rank == 1 else {"fine": np.arange(3)}
+        # return only the count: the test harness itself must not unpickle the payload
+        return outcome(lambda: len(comm.all_gather(obj))), comm.all_gather(comm.rank)
+
+    return fn
+
+
+WORLDS = ["gloo", "threaded"]
+
+
+def run(world: str, fn: Any, n: int, **kwargs: Any) -> list[Any]:
+    if world == "gloo":
+        return spawn(fn, n, timeout=120, **kwargs)
+    return run_threaded(fn, n, timeout=60, **kwargs)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_unpicklable_object_on_one_rank(world: str) -> None:
+    for r, (err, after) in enumerate(run(world, unpicklable, 3)):
+        name, msg, ranks, elapsed = err
+        assert name == "SerializationError", (r, err)
+        assert ranks == (1,) and "rank 1" in msg and "lock" in msg, msg
+        assert elapsed < 10
+        assert after == [0, 1, 2]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_mismatched_collectives(world: str) -> None:
+    for r, (first, second, after) in enumerate(run(world, mismatched_ops, 2)):
+        assert first[0] == "CollectiveMismatchError", (r, first)
+        assert "rank 0: all_gather" in first[1] and "rank 1: broadcast root=0" in first[1]
+        assert second[0] == "CollectiveMismatchError", (r, second)
+        assert "rank 0: gather root=0" in second[1] and "rank 1: gather root=1" in second[1]
+        assert after == [0, 1]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_reduce_dict_key_mismatch(world: str) -> None:
+    for err, after in run(world, key_mismatch, 2):
+        assert err[0] == "CollectiveMismatchError", err
+        assert "rank 0 lacks 'b'" in err[1] and "rank 1 lacks 'a'" in err[1], err[1]
+        assert after == [0, 1]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_reduce_dict_non_scalar_value(world: str) -> None:
+    for err, after in run(world, bad_value, 2):
+        assert err[0] == "CollectiveError" and err[2] == (1,), err
+        assert "shape (3,), not a scalar" in err[1]
+        assert after == [0, 1]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_wrong_scatter_length(world: str) -> None:
+    for err, after in run(world, wrong_scatter_length, 2):
+        assert err[0] == "CollectiveError" and err[2] == (0,), err
+        assert "got 1 objects for world_size 2" in err[1]
+        assert after == [0, 1]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_payload_over_max_bytes(world: str) -> None:
+    for err, after in run(world, too_large, 2, max_bytes=1_000_000):
+        assert err[0] == "PayloadTooLargeError" and err[2] == (1,), err
+        assert "over max_bytes=1000000" in err[1]
+        assert after == [0, 1]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_malicious_pickle_under_safe_serializer(world: str, tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    out = run(world, malicious(str(marker)), 3, serializer=distcomm.SafeSerializer())
+    for r, (err, after) in enumerate(out):
+        if r == 1:  # the sender's own entry is its own object: nothing to load
+            assert err[0] == "ok"
+        else:
+            assert err[0] == "UnsafePayloadError", (r, err)
+            assert "posix.system" in err[1] and "rank 1" in err[1]
+        assert after == [0, 1, 2]
+    assert not marker.exists(), "the payload ran code"
+
+
+def late(comm: distcomm.Communicator) -> Any:
+    if comm.rank == 1:
+        time.sleep(4)
+    return outcome(lambda: comm.all_gather(comm.rank, timeout=2))
+
+
+def test_peer_that_sleeps_past_the_timeout() -> None:
+    early, late_one = spawn(late, 2, timeout=120)
+    assert early[0] == "CollectiveTimeoutError", early
+    assert early[2] == (1,) and "rank 1 never reported" in early[1], early
+    assert 1.9 < early[3] < 6, early
+    assert late_one[0] in ("CollectiveTimeoutError", "PeerError"), late_one
+    assert late_one[3] < 5, late_one
+
+
+def late_sync(comm: distcomm.Communicator) -> Any:
+    if comm.rank == 2:
+        time.sleep(3)
+    first = outcome(lambda: comm.synchronize(timeout=1.5))
+    return first, outcome(lambda: comm.all_gather(1))
+
+
+def test_synchronize_timeout_names_the_missing_rank_and_breaks_the_communicator() -> None:
+    out = spawn(late_sync, 3, timeout=120)
+    for r in (0, 1):
+        first, after = out[r]
+        assert first[0] == "CollectiveTimeoutError" and 2 in first[2], first
+        assert first[3] < 6
+        assert after[0] == "CommunicatorStateError" and "earlier transport failure" in after[1], after
+
+
+def dies(comm: distcomm.Communicator) -> Any:
+    comm.all_gather(0)
+    if comm.rank == 1:
+        os._exit(3)
+    return outcome(lambda: comm.all_gather(np.zeros(10)))
+
+
+def test_peer_that_exits_mid_job() -> None:
+    t0 = time.monotonic()
+    survivor, dead = spawn(dies, 2, timeout=120, return_exceptions=True)
+    assert isinstance(dead, RankFailedError) and "exited with code 3" in str(dead)
+    assert survivor[0] == "PeerError", survivor
+    assert survivor[2] == (1,) and "rank 1" in survivor[1]
+    assert survivor[3] < 10, survivor  # noticed by the transport, not by the 600 s timeout
+    assert time.monotonic() - t0 < 60
+
+
+def test_run_threaded_releases_everyone_when_a_rank_raises() -> None:
+    def fn(comm: distcomm.Communicator) -> Any:
+        if comm.rank == 2:
+            raise KeyError("bad shard")
+        return comm.all_gather(comm.rank)
+
+    t0 = time.monotonic()
+    with pytest.raises(RankFailedError, match="rank 2 raised KeyError") as info:
+        run_threaded(fn, 4, timeout=30)
+    assert time.monotonic() - t0 < 5
+    assert info.value.rank == 2 and isinstance(info.value.exception, KeyError)
+    assert set(info.value.errors) == {0, 1, 2, 3}
+
+
+def test_run_threaded_names_the_rank_that_never_arrives() -> None:
+    gate = threading.Event()
+
+    def fn(comm: distcomm.Communicator) -> Any:
+        if comm.rank == 1:
+            gate.wait(10)
+            return None
+        return comm.all_gather(comm.rank, timeout=1)
+
+    t0 = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        run_threaded(fn, 3, timeout=30)
+    gate.set()
+    assert time.monotonic() - t0 < 5
+    assert isinstance(info.value.exception, distcomm.CollectiveTimeoutError)
+    assert "rank 1 never arrived" in str(info.value)
+
+
+def test_run_threaded_world_timeout_names_hung_ranks() -> None:
+    gate = threading.Event()
+
+    def fn(comm: distcomm.Communicator) -> Any:
+        if comm.rank == 0:
+            gate.wait(10)
+        return comm.rank
+
+    with pytest.raises(RankFailedError, match="rank 0 did not finish"):
+        run_threaded(fn, 2, timeout=1)
+    gate.set()
+
+
+def test_spawn_reraises_with_rank_and_remote_traceback() -> None:
+    def fn(comm: distcomm.Communicator) -> Any:
+        if comm.rank == 1:
+            raise ValueError("bad config on rank 1")
+        return comm.rank
+
+    with pytest.raises(RankFailedError, match="rank 1: ValueError: bad config") as info:
+        spawn(fn, 2, timeout=60)
+    assert "Traceback" in info.value.remote_traceback and isinstance(info.value.exception, ValueError)
+
+
+def test_spawn_kills_and_names_a_hung_rank() -> None:
+    def fn(comm: distcomm.Communicator) -> Any:
+        if comm.rank == 0:
+            time.sleep(60)
+        return comm.rank
+
+    t0 = time.monotonic()
+    with pytest.raises(RankFailedError, match="rank 0 did not finish within 8"):
+        spawn(fn, 2, timeout=8)
+    assert time.monotonic() - t0 < 20
