@@ -10,8 +10,10 @@ Implementations, each on the same gloo process group over 127.0.0.1:
 - floor: a raw tensor collective of the same bytes into a freshly allocated buffer, no
   serialization (all_gather_into_tensor / gather; each rank padded to the largest when sizes differ).
 
-Times are medians over interleaved repetitions (each repetition runs every implementation once,
-in turn), each the slowest rank's time; ratios are taken within one run. Peak memory is the rise
+Times are medians over interleaved repetitions (each repetition runs every implementation in
+turn, after a barrier), each the slowest rank's time; small payloads time a batch of calls back to
+back and divide, so that the skew with which ranks leave the barrier doesn't swamp them. Ratios
+are taken within one run. Peak memory is the rise
 of each process's peak RSS during one collective of a 256 MiB array per rank, each implementation
 in fresh processes. Writes benchmarks/results/results.md, results.json and time_vs_size.png.
 """
@@ -152,6 +154,13 @@ def _init(rank: int, world: int, port: int) -> distcomm.GlooCommunicator:
     return distcomm.GlooCommunicator(timeout=300, _owns_default=True)
 
 
+def _batch(name: str, size: int) -> int:
+    """Calls timed back to back per sample: amortizes the skew with which ranks leave the barrier."""
+    if name == "dict of 8 floats" or (name == "array" and size < 64 * 1024):
+        return 10
+    return 3 if name == "2,000 small dicts" else 1
+
+
 def _reps(name: str, size: int, quick: bool) -> int:
     """The same on every rank (a rank-dependent count would desynchronize the ranks)."""
     nbytes = size if name in ("array", "32 MiB array", "32 MiB tensor", "skewed 32 MiB") else 0
@@ -172,12 +181,14 @@ def time_worker(rank: int, world: int, port: int, cases: list[tuple[str, str, in
         for fn in impls.values():  # warm up
             fn()
         times: dict[str, list[float]] = {k: [] for k in impls}
+        batch = _batch(name, size)
         for _ in range(_reps(name, size, quick)):
             for key, fn in impls.items():  # interleaved
                 dist.barrier()
                 t0 = time.perf_counter()
-                fn()
-                times[key].append(time.perf_counter() - t0)
+                for _ in range(batch):
+                    fn()
+                times[key].append((time.perf_counter() - t0) / batch)
         everyone: list[Any] = [None] * world
         dist.all_gather_object(everyone, (nbytes, times))
         if rank == 0:
@@ -256,7 +267,8 @@ def main() -> None:
         f"{platform.machine()}, Python {platform.python_version()}, torch {torch.__version__}, "
         f"{'quick' if args.quick else 'full'} run)",
         "",
-        "Median time of one collective (slowest rank); ratio = distcomm / torch within the same run.",
+        "Median time of one collective (slowest rank; small payloads: batches of 10 or 3 calls back to back); "
+        "ratio = distcomm / torch within the same run.",
         "",
         "| payload | op | world | distcomm | torch | naive | floor | distcomm/torch | distcomm/floor |",
         "|---|---|---|---|---|---|---|---|---|",

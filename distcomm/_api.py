@@ -78,15 +78,14 @@ def _for_group(group: Any) -> Communicator:
     comm = current()
     if group is None or group is getattr(comm, "group", None):
         return comm
-    # A communicator over another group, kept on the active communicator (created collectively
-    # by every member on first use).
-    cache: dict[Any, Communicator] = comm.__dict__.setdefault("_subcomms", {})
-    sub = cache.get(group)
+    # A communicator over another group, kept (and closed) by the active communicator; created
+    # collectively by every member of that group on first use.
+    sub = comm._children.get(group)
     if sub is None:
         from ._torch import GlooCommunicator
 
-        sub = cache[group] = GlooCommunicator(group, timeout=comm.timeout, serializer=comm.serializer,
-                                              max_bytes=comm.max_bytes)
+        sub = comm._children[group] = GlooCommunicator(group, timeout=comm.timeout, serializer=comm.serializer,
+                                                       max_bytes=comm.max_bytes)
     return sub
 
 

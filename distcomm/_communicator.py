@@ -172,6 +172,8 @@ class Communicator(abc.ABC):
         self._closed = False
         self._broken: str | None = None
         self._stats: dict[str, OpStats] = {}
+        # communicators over other groups that the module helpers' group= argument asked for
+        self._children: dict[Any, Communicator] = {}
 
     # ------------------------------------------------------------------ identity
     @property
@@ -250,6 +252,9 @@ class Communicator(abc.ABC):
             return
         self._closed = True
         if os.getpid() == self._pid:
+            for child in self._children.values():
+                child.close()
+            self._children.clear()
             self._shutdown()
 
     def __enter__(self: _T) -> _T:
@@ -538,11 +543,12 @@ class Communicator(abc.ABC):
         flat = self._allgather_slots(torch.frombuffer(slot, dtype=torch.uint8), timeout)
         st.bytes_sent += self.slot_bytes
         st.bytes_received += self.slot_bytes * (self.world_size - 1)
-        raw = flat.numpy()
+        raw = memoryview(flat.numpy())  # type: ignore[arg-type]
+        size = self.slot_bytes
         slots = []
         for r in range(self.world_size):
             try:
-                slots.append(_frame.decode(memoryview(raw[r * self.slot_bytes : (r + 1) * self.slot_bytes])))  # type: ignore[arg-type]
+                slots.append(_frame.decode(raw[r * size : (r + 1) * size]))
             except FrameError as e:
                 raise FrameError(f"{op.label} #{seq}: slot from rank {r} is corrupt: {e}",
                                  op=op.label, ranks=[r]) from e

@@ -26,6 +26,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ._errors import FrameError
 
@@ -49,8 +50,7 @@ _U32 = struct.Struct("<I")
 _I64 = struct.Struct("<q")
 
 
-@dataclass(frozen=True)
-class Header:
+class Header(NamedTuple):
     status: int
     op: int
     flags: int

@@ -29,7 +29,15 @@ def _spawn_worker(rank: int, world: int, url: str, payload: bytes, out: Any, bac
 
         fn, comm_kwargs = cloudpickle.loads(payload)
         td = datetime.timedelta(seconds=timeout)
-        dist.init_process_group(backend, init_method=url, rank=rank, world_size=world, timeout=td)
+        if backend == "nccl":
+            import torch
+
+            device = torch.device("cuda", rank % max(torch.cuda.device_count(), 1))
+            torch.cuda.set_device(device)
+            dist.init_process_group(backend, init_method=url, rank=rank, world_size=world, timeout=td,
+                                    device_id=device)
+        else:
+            dist.init_process_group(backend, init_method=url, rank=rank, world_size=world, timeout=td)
         cls: Any = GlooCommunicator if backend == "gloo" else NcclCommunicator
         comm_kwargs.setdefault("timeout", timeout)
         comm = cls(None, _owns_default=True, **comm_kwargs)

@@ -1,0 +1,70 @@
+"""NcclCommunicator on real GPUs: `make test-gpu` (skips with a reason where there is no CUDA).
+
+World size = the number of visible CUDA devices (one rank per device; 1 is enough to check device
+binding, the gloo side group for objects, CUDA tensors inside objects and reduce_dict on CUDA).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import distcomm
+from distcomm.testing import spawn
+from tests.contract import check, exercise
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA and NCCL (no CUDA device here)"),
+]
+
+
+def world() -> int:
+    return max(1, torch.cuda.device_count())
+
+
+def nccl_checks(comm: distcomm.Communicator) -> dict[str, Any]:
+    assert isinstance(comm, distcomm.NcclCommunicator)
+    r, n = comm.rank, comm.world_size
+    dev = comm.device
+    out: dict[str, Any] = {"device": str(dev), "current": torch.cuda.current_device()}
+    # CUDA tensors inside objects travel through CPU and land on the receiver's own device
+    got = comm.all_gather({"t": torch.full((1000,), float(r), device=dev)})
+    out["devices"] = [str(g["t"].device) for g in got]
+    out["sums"] = [float(g["t"].sum()) for g in got]
+    cpu_side = distcomm.NcclCommunicator(device=dev, receive_cuda_on="cpu")
+    out["cpu_devices"] = [str(g["t"].device) for g in cpu_side.all_gather({"t": torch.ones(3, device=dev)})]
+    cpu_side.close()
+    # reduce_dict on CUDA scalars runs over NCCL and stays on the device
+    red = comm.all_reduce_dict({"loss": torch.tensor(float(r), device=dev)}, average=False)
+    out["reduced"] = (float(red["loss"]), str(red["loss"].device))
+    comm.synchronize()  # barrier with device_ids
+    out["contract"] = exercise(comm)
+    out["n"] = n
+    return out
+
+
+def test_nccl_communicator() -> None:
+    n = world()
+    results = spawn(nccl_checks, n, backend="nccl", timeout=300)
+    for r, out in enumerate(results):
+        assert out["device"] == f"cuda:{r}" and out["current"] == r
+        assert out["devices"] == [f"cuda:{r}"] * n
+        assert out["sums"] == [1000.0 * i for i in range(n)]
+        assert out["cpu_devices"][r] == f"cuda:{r}" and all(d == "cpu" for i, d in enumerate(out["cpu_devices"])
+                                                           if i != r)
+        assert out["reduced"] == (float(sum(range(n))), f"cuda:{r}")
+        check(out["contract"], local=(r, n))
+
+
+def test_nccl_bad_device() -> None:
+    def fn(comm: distcomm.Communicator) -> str:
+        try:
+            distcomm.NcclCommunicator(device=torch.cuda.device_count() + 3)
+            return "no error"
+        except ValueError as e:
+            return str(e)
+
+    assert all("does not exist" in msg for msg in spawn(fn, 1, backend="nccl", timeout=120))
