@@ -64,7 +64,10 @@ class Op(IntEnum):
 
     @property
     def label(self) -> str:
-        return self.name.lower()
+        return _LABELS[self]
+
+
+_LABELS = {op: op.name.lower() for op in Op}
 
 
 @dataclass
