@@ -230,6 +230,29 @@ def run_world(target: Callable[..., None], world: int, *args: Any) -> None:
                        start_method="spawn")
 
 
+# ---------------------------------------------------------------- the threaded test world
+def threaded_small(world: int, reps: int) -> dict[str, float]:
+    """Median time of one all_gather of a small dict in distcomm.testing's threaded world."""
+    from distcomm.testing import run_threaded
+
+    def fn(comm: distcomm.Communicator) -> list[float]:
+        obj = payload("dict of 8 floats", comm.rank)
+        for _ in range(20):
+            comm.all_gather(obj)
+        times = []
+        for _ in range(reps):
+            comm.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(10):
+                comm.all_gather(obj)
+            times.append((time.perf_counter() - t0) / 10)
+        return times
+
+    per_rank = run_threaded(fn, world, timeout=300)
+    slowest = [max(t[i] for t in per_rank) for i in range(reps)]
+    return {"world": world, "median_s": statistics.median(slowest)}
+
+
 # ---------------------------------------------------------------- report
 def fmt_time(s: float) -> str:
     return f"{s * 1e6:.0f} µs" if s < 1e-3 else f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
@@ -254,6 +277,7 @@ def main() -> None:
         sizes = [1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 23, 1 << 25]
         run_world(time_worker, 2, [("array", "all_gather", s) for s in sizes], args.quick, str(tmp))
         sweep = json.loads(tmp.read_text())
+    threaded = [threaded_small(w, 50 if args.quick else 200) for w in (2, 4)]
     mem: list[dict[str, Any]] = []
     if not args.no_memory:
         for op in ("all_gather", "gather"):
@@ -278,6 +302,10 @@ def main() -> None:
         lines.append(f"| {r['payload']} | {r['op']} | {r['world']} | {fmt_time(m['distcomm'])} | {fmt_time(m['torch'])}"
                      f" | {fmt_time(m['naive'])} | {fmt_time(m['floor'])} | {m['distcomm'] / m['torch']:.2f}"
                      f" | {m['distcomm'] / m['floor']:.2f} |")
+    lines += ["", "distcomm.testing's threaded world (ranks as threads in one process, same pipeline): "
+              "all_gather of a dict of 8 floats, median per call (slowest rank).", "",
+              "| world | time |", "|---|---|"]
+    lines += [f"| {t['world']} threads | {fmt_time(t['median_s'])} |" for t in threaded]
     if mem:
         lines += ["", "Peak RSS rise during one collective of 256 MiB per rank, world 2, as a multiple of the "
                   "payload (rank 0 is gather's dst).", "",
@@ -288,7 +316,8 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     (RESULTS / "results.md").write_text(text)
-    (RESULTS / "results.json").write_text(json.dumps({"time": rows, "sweep": sweep, "memory": mem}, indent=1))
+    (RESULTS / "results.json").write_text(json.dumps({"time": rows, "sweep": sweep, "memory": mem,
+                                                    "threaded": threaded}, indent=1))
     if sweep:
         import matplotlib
 

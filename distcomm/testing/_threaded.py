@@ -62,7 +62,8 @@ class _World:
             self._check(me)
             entry = table.setdefault(gen, [None] * self.size)
             entry[me] = value
-            self.cond.notify_all()
+            if all(v is not None for v in entry):  # the last to arrive wakes the others, once
+                self.cond.notify_all()
             self._wait(me, lambda: all(v is not None for v in entry), deadline, f"{kind} #{gen}",
                        lambda: [r for r, v in enumerate(entry) if v is None])
             out = [v for v in entry if v is not None]
