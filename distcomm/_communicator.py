@@ -646,37 +646,51 @@ class Communicator(abc.ABC):
             return [(r, r) for r in range(n) if r != src] if src == root else []
         return []
 
+    def _part_from(self, op: Op, root: int, src: int) -> int | None:
+        """The index of the part that rank ``src`` sends to this rank, or None."""
+        me = self.rank
+        if src == me:
+            return None
+        if op is Op.ALL_GATHER or op is Op.KEYS or op is Op.SETUP:
+            return 0
+        if op is Op.GATHER:
+            return 0 if me == root else None
+        if op is Op.BROADCAST:
+            return 0 if src == root else None
+        if op is Op.SCATTER:
+            return me if src == root else None
+        return None
+
     def _plan(self, op: Op, root: int, parts: list[list[memoryview]], slots: list[_frame.Slot]) -> _Plan:
         plan = _Plan()
         me = self.rank
         # what I send: my segments that did not fit the slot, to each receiver of their part
-        for p, dst in self._receivers(op, root, me):
-            for (size, inline), seg in zip(slots[me].parts[p], parts[p], strict=True):
+        mine = slots[me].parts
+        for sent, dst in self._receivers(op, root, me):
+            for (size, inline), seg in zip(mine[sent], parts[sent], strict=True):
                 if inline is None and size:
                     plan.sends.append((dst, _byte_tensor(seg)))
         # what I receive: each source's part meant for me, into exact-size buffers
         for src in range(self.world_size):
-            if src == me:
+            p = self._part_from(op, root, src)
+            if p is None:
                 continue
-            for p, dst in self._receivers(op, root, src):
-                if dst != me:
+            theirs = slots[src].parts
+            if p >= len(theirs):
+                raise FrameError(f"rank {src} sent {len(theirs)} parts, part {p} missing", op=op.label, ranks=[src])
+            segs: list[memoryview | torch.Tensor] = []
+            for size, inline in theirs[p]:
+                if inline is not None:
+                    segs.append(inline)
                     continue
-                if p >= len(slots[src].parts):
-                    raise FrameError(f"rank {src} sent {len(slots[src].parts)} parts, part {p} missing",
-                                     op=op.label, ranks=[src])
-                segs: list[memoryview | torch.Tensor] = []
-                for size, inline in slots[src].parts[p]:
-                    if inline is not None:
-                        segs.append(inline)
-                    else:
-                        if self.max_bytes is not None and size > self.max_bytes:
-                            raise PayloadTooLargeError(
-                                f"rank {src} announced {size} bytes, over max_bytes={self.max_bytes}",
-                                op=op.label, ranks=[src])
-                        buf = torch.empty(size, dtype=torch.uint8)
-                        if size:
-                            plan.recvs.append((src, buf))
-                        segs.append(buf)
-                plan.incoming[src] = segs
-                plan.packed[src] = bool(slots[src].header.flags & _frame.PACKED)
+                if self.max_bytes is not None and size > self.max_bytes:
+                    raise PayloadTooLargeError(
+                        f"rank {src} announced {size} bytes, over max_bytes={self.max_bytes}",
+                        op=op.label, ranks=[src])
+                buf = torch.empty(size, dtype=torch.uint8)
+                if size:
+                    plan.recvs.append((src, buf))
+                segs.append(buf)
+            plan.incoming[src] = segs
+            plan.packed[src] = bool(slots[src].header.flags & _frame.PACKED)
         return plan

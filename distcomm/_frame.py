@@ -23,6 +23,7 @@ decoded slot or a ``FrameError``.
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -148,22 +149,17 @@ def decode(buf: memoryview | bytes | bytearray) -> Slot:
         return Slot(header, [], msg)
     if HEADER_SIZE + 4 * nparts + 8 * nsegs > n:
         raise FrameError(f"segment table ({nparts} parts, {nsegs} segments) runs past the slot")
-    pos = HEADER_SIZE
-    counts = []
-    for _ in range(nparts):
-        (c,) = _U32.unpack_from(mv, pos)
-        counts.append(c)
-        pos += 4
+    table = _table_struct(nparts, nsegs).unpack_from(mv, HEADER_SIZE)
+    counts, entries = table[:nparts], table[nparts:]
     if sum(counts) != nsegs:
         raise FrameError(f"part counts add up to {sum(counts)}, header says {nsegs} segments")
-    data = pos + 8 * nsegs
+    data = HEADER_SIZE + 4 * nparts + 8 * nsegs
     seen = 0
     parts: list[list[tuple[int, memoryview | None]]] = []
+    i = 0
     for c in counts:
         part: list[tuple[int, memoryview | None]] = []
-        for _ in range(c):
-            (e,) = _I64.unpack_from(mv, pos)
-            pos += 8
+        for e in entries[i : i + c]:
             if e >= 0:
                 part.append((e, None))
                 seen += e
@@ -174,10 +170,16 @@ def decode(buf: memoryview | bytes | bytearray) -> Slot:
                 part.append((size, mv[data : data + size]))
                 data += size
                 seen += size
+        i += c
         parts.append(part)
     if seen != total:
         raise FrameError(f"segments add up to {seen} bytes, header says {total}")
     return Slot(header, parts)
+
+
+@functools.lru_cache(maxsize=256)
+def _table_struct(nparts: int, nsegs: int) -> struct.Struct:
+    return struct.Struct(f"<{nparts}I{nsegs}q")
 
 
 def pack(segments: Sequence[memoryview]) -> bytearray:
