@@ -22,7 +22,7 @@ import datetime
 import hashlib
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, Literal, TypeVar
@@ -122,9 +122,15 @@ def _byte_tensor(view: memoryview) -> torch.Tensor:
     return torch.frombuffer(view, dtype=torch.uint8)
 
 
-def _keys_digest(names: Sequence[Any]) -> int:
-    """An 8-byte digest of a sorted key list, compared across ranks by reduce_dict."""
-    return int.from_bytes(hashlib.blake2b(repr(list(names)).encode(), digest_size=8).digest(), "little")
+def _work_dtype(values: Iterable[Any]) -> torch.dtype:
+    """The dtype reduce_dict reduces in: float64, or complex128 when there are complex values."""
+    return torch.complex128 if any(isinstance(v, torch.Tensor) and v.is_complex() for v in values) else torch.float64
+
+
+def _reduce_digest(names: Sequence[Any], work_dtype: torch.dtype) -> int:
+    """An 8-byte digest of reduce_dict's sorted keys and reduce dtype, compared across ranks."""
+    text = repr([*names, ("reduce dtype", str(work_dtype))])
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
 
 class Communicator(abc.ABC):
@@ -431,17 +437,17 @@ class Communicator(abc.ABC):
             if problem:
                 raise ValueError(f"reduce_dict: {problem}")
             return {k: input_dict[k] for k in names}
-        digest = _keys_digest(names)
-        self._run(op, -1 if dst is None else dst, None, t, serialize=False, digest=digest, invalid=problem,
-                  on_digest_mismatch=lambda: self._key_mismatch(names, t))
+        # Every rank reduces in the same dtype whatever its values' dtypes (float64, exact for float32
+        # and for integers below 2**53; complex128 when the dicts hold complex values), and the
+        # digest that the first exchange compares covers the keys and that choice.
+        work_dtype = _work_dtype(input_dict.values()) if problem is None else torch.float64
+        self._run(op, -1 if dst is None else dst, None, t, serialize=False,
+                  digest=_reduce_digest(names, work_dtype), invalid=problem,
+                  on_digest_mismatch=lambda: self._key_mismatch(names, work_dtype, t))
         if not names:
             return {}
         with torch.no_grad():
-            dtypes = [input_dict[k].dtype for k in names]
-            common = dtypes[0] if len(set(dtypes)) == 1 else torch.float64  # mixed: reduce exactly in float64
-            values = torch.stack([input_dict[k].detach().reshape(()).to(common) for k in names])
-            if average and not (values.is_floating_point() or values.is_complex()):
-                values = values.to(torch.float64)
+            values = torch.stack([input_dict[k].detach().reshape(()).to(work_dtype) for k in names])
             orig = values.device
             work = values.to(self.device) if values.device != self.device else values.clone()
             st = self._stat(op)
@@ -461,8 +467,15 @@ class Communicator(abc.ABC):
             out[k] = v.to(dt if keep else torch.get_default_dtype())
         return out
 
-    def _key_mismatch(self, names: list[Any], timeout: float | None) -> None:
-        everyone = self._run(Op.KEYS, -1, [repr(k) for k in names], timeout)
+    def _key_mismatch(self, names: list[Any], work_dtype: torch.dtype, timeout: float | None) -> None:
+        infos = self._run(Op.KEYS, -1, ([repr(k) for k in names], str(work_dtype)), timeout)
+        everyone = [keys for keys, _ in infos]
+        kinds = [kind for _, kind in infos]
+        if len(set(kinds)) > 1:
+            complex_ranks = [r for r, kind in enumerate(kinds) if "complex" in kind]
+            raise CollectiveMismatchError(
+                f"reduce_dict: ranks {complex_ranks} have complex values and the others don't; "
+                f"every rank must pass the same kinds of values", op="reduce_dict", ranks=complex_ranks)
         union = sorted(set().union(*[set(ks) for ks in everyone]))
         lines = []
         for r, ks in enumerate(everyone):

@@ -48,6 +48,15 @@ def key_mismatch(comm: distcomm.Communicator) -> Any:
     return outcome(lambda: comm.reduce_dict(d)), comm.all_gather(comm.rank)
 
 
+def mixed_dtypes(comm: distcomm.Communicator) -> Any:
+    d = {"loss": torch.tensor(1.5, dtype=torch.float32 if comm.rank == 0 else torch.float64),
+         "n": torch.tensor(comm.rank + 1)}
+    ok = comm.all_reduce_dict(d, average=False)
+    c = {"z": torch.tensor(1 + 1j) if comm.rank == 1 else torch.tensor(1.0)}
+    return ({k: (float(v), str(v.dtype)) for k, v in ok.items()}, outcome(lambda: comm.all_reduce_dict(c)),
+            comm.all_gather(comm.rank))
+
+
 def bad_value(comm: distcomm.Communicator) -> Any:
     d = {"loss": torch.ones(3) if comm.rank == 1 else torch.tensor(1.0)}
     return outcome(lambda: comm.all_reduce_dict(d)), comm.all_gather(comm.rank)
@@ -113,6 +122,15 @@ def test_reduce_dict_key_mismatch(world: str) -> None:
     for err, after in run(world, key_mismatch, 2):
         assert err[0] == "CollectiveMismatchError", err
         assert "rank 0 lacks 'b'" in err[1] and "rank 1 lacks 'a'" in err[1], err[1]
+        assert after == [0, 1]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_reduce_dict_dtypes_that_differ_across_ranks(world: str) -> None:
+    for r, (ok, err, after) in enumerate(run(world, mixed_dtypes, 2)):
+        want_loss = "torch.float32" if r == 0 else "torch.float64"
+        assert ok == {"loss": (3.0, want_loss), "n": (3.0, "torch.int64")}, ok
+        assert err[0] == "CollectiveMismatchError" and "ranks [1] have complex values" in err[1], err
         assert after == [0, 1]
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from .. import _frame
-from .._communicator import Communicator, Op, _keys_digest
+from .._communicator import Communicator, Op, _reduce_digest, _work_dtype
 
 __all__ = ["Call", "FakeCommunicator"]
 
@@ -164,10 +164,11 @@ class FakeCommunicator(Communicator):
             digest = 0
             if op is not Op.BARRIER:
                 d = self._peer_dicts[r]
-                digest = _keys_digest(sorted(d))
+                digest = _reduce_digest(sorted(d), _work_dtype(d.values()))
             return _frame.encode(op, seq, root, digest, [], self.slot_bytes)
         if op is Op.KEYS:
-            pobj: Any = [repr(k) for k in sorted(self._peer_dicts[r])]
+            d = self._peer_dicts[r]
+            pobj: Any = ([repr(k) for k in sorted(d)], str(_work_dtype(d.values())))
         else:
             pobj = self._peers(op.label, r, obj)
         if op is Op.SCATTER and r == root and (not isinstance(pobj, Sequence) or len(pobj) != self._size):
