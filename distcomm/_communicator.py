@@ -22,6 +22,7 @@ import datetime
 import hashlib
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -110,15 +111,9 @@ def _byte_tensor(view: memoryview) -> torch.Tensor:
     if view.nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
     if view.readonly:
-        arr = np.frombuffer(view, dtype=np.uint8)
-        arr = arr.view()
-        arr.flags.writeable = False
-        # torch warns for non-writable arrays; the tensor is only read by the transport.
-        import warnings
-
-        with warnings.catch_warnings():
+        with warnings.catch_warnings():  # torch warns about non-writable memory; the transport only reads it
             warnings.simplefilter("ignore")
-            return torch.from_numpy(arr)
+            return torch.frombuffer(view, dtype=torch.uint8)
     return torch.frombuffer(view, dtype=torch.uint8)
 
 

@@ -50,8 +50,6 @@ def _machine_key(machine: str | int | None) -> str:
 class _TorchCommunicator(Communicator):
     """Shared plumbing of the torch.distributed communicators."""
 
-    _kind = "torch"
-
     def __init__(
         self,
         group: Any = None,
@@ -319,8 +317,6 @@ class GlooCommunicator(_TorchCommunicator):
     same order; it creates one group per machine, eagerly.
     """
 
-    _kind = "gloo"
-
     def _check_backend(self, backend: str) -> None:
         if "gloo" not in str(backend):
             raise ValueError(
@@ -344,8 +340,6 @@ class NcclCommunicator(_TorchCommunicator):
         device: the CUDA device for tensor collectives (an index, a string or a torch.device).
         machine, timeout, serializer, max_bytes, slot_bytes, receive_cuda_on: see GlooCommunicator.
     """
-
-    _kind = "nccl"
 
     def __init__(self, group: Any = None, *, device: int | str | torch.device | None = None, **kwargs: Any) -> None:
         if not torch.cuda.is_available():
