@@ -230,8 +230,8 @@ class Communicator(abc.ABC):
 
     # ------------------------------------------------------------------ transport primitives
     @abc.abstractmethod
-    def _allgather_slots(self, slot: torch.Tensor, timeout: float | None) -> torch.Tensor:
-        """All-gather one uint8 slot of ``slot_bytes`` from every rank, in rank order, flat."""
+    def _allgather_slots(self, slot: bytearray, timeout: float | None) -> memoryview:
+        """All-gather one slot of ``slot_bytes`` bytes from every rank: their bytes in rank order, flat."""
 
     @abc.abstractmethod
     def _exchange(
@@ -551,10 +551,9 @@ class Communicator(abc.ABC):
         t1 = time.perf_counter()
         st.serialize_s += t1 - t0
 
-        flat = self._allgather_slots(torch.frombuffer(slot, dtype=torch.uint8), timeout)
+        raw = self._allgather_slots(slot, timeout)
         st.bytes_sent += self.slot_bytes
         st.bytes_received += self.slot_bytes * (self.world_size - 1)
-        raw = memoryview(flat.numpy())  # type: ignore[arg-type]
         size = self.slot_bytes
         slots = []
         for r in range(self.world_size):

@@ -25,8 +25,8 @@ class LocalCommunicator(Communicator):
     def world_size(self) -> int:
         return 1
 
-    def _allgather_slots(self, slot: torch.Tensor, timeout: float | None) -> torch.Tensor:
-        return slot.clone()
+    def _allgather_slots(self, slot: bytearray, timeout: float | None) -> memoryview:
+        return memoryview(bytes(slot))
 
     def _exchange(
         self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]], timeout: float | None

@@ -181,17 +181,17 @@ class _TorchCommunicator(Communicator):
         except Exception as e:
             self._fail(e, timeout)
 
-    def _allgather_slots(self, slot: torch.Tensor, timeout: float | None) -> torch.Tensor:
+    def _allgather_slots(self, slot: bytearray, timeout: float | None) -> memoryview:
         out = torch.empty(self._world * self.slot_bytes, dtype=torch.uint8)
         opts = _c10d().AllgatherOptions()
         if timeout is not None:
             opts.timeout = datetime.timedelta(seconds=timeout)
         try:
-            work = self._allgather(out, slot, opts)
+            work = self._allgather(out, torch.frombuffer(slot, dtype=torch.uint8), opts)
         except Exception as e:
             self._fail(e, timeout)
         self._wait([work], timeout)
-        return out
+        return memoryview(out.numpy())  # type: ignore[arg-type]
 
     def _exchange(
         self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]], timeout: float | None

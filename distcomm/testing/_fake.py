@@ -189,11 +189,10 @@ class FakeCommunicator(Communicator):
         return slot
 
     # ------------------------------------------------------------------ transport
-    def _allgather_slots(self, slot: torch.Tensor, timeout: float | None) -> torch.Tensor:
+    def _allgather_slots(self, slot: bytearray, timeout: float | None) -> memoryview:
         self._pending = {}
-        rows = [slot if r == self._rank else torch.frombuffer(self._peer_slot(r), dtype=torch.uint8)
-                for r in range(self._size)]
-        return torch.cat(rows)
+        rows = [slot if r == self._rank else self._peer_slot(r) for r in range(self._size)]
+        return memoryview(b"".join(rows))
 
     def _exchange(
         self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]], timeout: float | None

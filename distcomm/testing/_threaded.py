@@ -26,8 +26,8 @@ class _World:
     def __init__(self, size: int) -> None:
         self.size = size
         self.cond = threading.Condition()
-        self.slots: dict[int, list[torch.Tensor | None]] = {}
-        self.reduces: dict[int, list[torch.Tensor | None]] = {}
+        self.slots: dict[int, list[Any]] = {}  # bytes per rank, by generation
+        self.reduces: dict[int, list[Any]] = {}  # tensors per rank, by generation
         self.taken: dict[tuple[str, int], int] = {}
         self.mail: dict[tuple[int, int], deque[torch.Tensor]] = {}
         self.failed: tuple[int, BaseException] | None = None
@@ -56,8 +56,8 @@ class _World:
                     f"{', '.join(map(str, gone))} never arrived", ranks=gone)
             self.cond.wait(timeout=0.5 if left is None else min(left, 0.5))
 
-    def gather(self, table: dict[int, list[torch.Tensor | None]], kind: str, gen: int, me: int,
-               value: torch.Tensor, deadline: float | None) -> list[torch.Tensor]:
+    def gather(self, table: dict[int, list[Any]], kind: str, gen: int, me: int,
+               value: Any, deadline: float | None) -> list[Any]:
         with self.cond:
             self._check(me)
             entry = table.setdefault(gen, [None] * self.size)
@@ -126,12 +126,12 @@ class ThreadedCommunicator(Communicator):
             self._mark_broken(str(e))
             raise
 
-    def _allgather_slots(self, slot: torch.Tensor, timeout: float | None) -> torch.Tensor:
+    def _allgather_slots(self, slot: bytearray, timeout: float | None) -> memoryview:
         self._slot_gen += 1
         gen, deadline = self._slot_gen, self._deadline(timeout)
         parts = self._guard(lambda: self._world.gather(self._world.slots, "slot exchange", gen, self._rank,
-                                                       slot.clone(), deadline))
-        return torch.cat(parts)
+                                                       bytes(slot), deadline))
+        return memoryview(b"".join(parts))
 
     def _exchange(
         self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]], timeout: float | None
