@@ -585,9 +585,17 @@ class Communicator(abc.ABC):
         token = _CUDA_TARGET.set(self._cuda_target)
         try:
             for src, segs in plan.incoming.items():
+                # Out-of-band buffers become the results' memory: those that came inline in the slot
+                # are copied out of it (the slot buffer is the transport's, and may be read-only).
                 views = [s if isinstance(s, memoryview) else memoryview(s.numpy()) for s in segs]  # type: ignore[arg-type]
                 if plan.packed.get(src):
+                    inline = isinstance(segs[0], memoryview)
                     views = _frame.unpack(views[0])
+                    if inline:
+                        views[1:] = [memoryview(bytearray(v)) for v in views[1:]]
+                else:
+                    views[1:] = [memoryview(bytearray(v)) if isinstance(s, memoryview) else v
+                                 for v, s in zip(views[1:], segs[1:], strict=True)]
                 try:
                     results[self.rank if op is Op.SCATTER else src] = self.serializer.loads(views)
                 except CollectiveError as e:

@@ -80,6 +80,8 @@ class _TorchCommunicator(Communicator):
         self._world = dist.get_world_size(self._group)
         self._ranks = list(dist.get_process_group_ranks(self._group))
         self._check_backend(dist.get_backend(self._group))
+        self._opts_cache: tuple[float | None, Any] | None = None
+        self._slots_out: tuple[torch.Tensor, memoryview] | None = None
         self._obj_group: Any = self._object_group()
         self._allgather = getattr(self._obj_group, "all_gather_single", None) or self._obj_group._allgather_base
         try:
@@ -169,29 +171,43 @@ class _TorchCommunicator(Communicator):
 
     # ------------------------------------------------------------------ transport
     def _wait(self, works: list[Any], timeout: float | None) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            for w in works:
-                if deadline is None:
+            if timeout is None:
+                for w in works:
                     w.wait()
-                else:
+            elif len(works) == 1:
+                works[0].wait(datetime.timedelta(seconds=timeout))
+            else:
+                deadline = time.monotonic() + timeout
+                for w in works:
                     w.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
         except DistCommError:
             raise
         except Exception as e:
             self._fail(e, timeout)
 
+    def _allgather_opts(self, timeout: float | None) -> Any:
+        cached = self._opts_cache
+        if cached is None or cached[0] != timeout:
+            opts = _c10d().AllgatherOptions()
+            if timeout is not None:
+                opts.timeout = datetime.timedelta(seconds=timeout)
+            cached = self._opts_cache = (timeout, opts)
+        return cached[1]
+
     def _allgather_slots(self, slot: bytearray, timeout: float | None) -> memoryview:
-        out = torch.empty(self._world * self.slot_bytes, dtype=torch.uint8)
-        opts = _c10d().AllgatherOptions()
-        if timeout is not None:
-            opts.timeout = datetime.timedelta(seconds=timeout)
+        # The output is reused from call to call: what the pipeline reads from it (inline segments)
+        # is deserialized, and so copied, before the collective returns.
+        if self._slots_out is None:
+            out = torch.empty(self._world * self.slot_bytes, dtype=torch.uint8)
+            self._slots_out = (out, memoryview(out.numpy()))  # type: ignore[arg-type]
+        out, view = self._slots_out
         try:
-            work = self._allgather(out, torch.frombuffer(slot, dtype=torch.uint8), opts)
+            work = self._allgather(out, torch.frombuffer(slot, dtype=torch.uint8), self._allgather_opts(timeout))
         except Exception as e:
             self._fail(e, timeout)
         self._wait([work], timeout)
-        return memoryview(out.numpy())  # type: ignore[arg-type]
+        return view
 
     def _exchange(
         self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]], timeout: float | None

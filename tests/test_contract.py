@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import distcomm
@@ -48,3 +49,20 @@ def test_threaded_tiny_slot_and_no_oob() -> None:
     results = run_threaded(exercise, 3, timeout=60, slot_bytes=256, serializer=ser)
     for r, result in enumerate(results):
         check(result, local=(r, 3))
+
+
+def _results_outlive_the_next_call(comm: distcomm.Communicator) -> tuple[list[list[int]], list[bool]]:
+    first = comm.all_gather(np.full(10, comm.rank))
+    comm.all_gather(np.full(10, comm.rank + 100))  # reuses the transport's slot buffer
+    return [a.tolist() for a in first], [bool(a.flags.writeable) for a in first]
+
+
+@pytest.mark.parametrize("world", ["gloo", "threaded"])
+@pytest.mark.parametrize("slot_bytes", [256, 4096])
+def test_small_out_of_band_buffers_are_the_results_own(world: str, slot_bytes: int) -> None:
+    """Buffers that came inline in the slot are copied out: later calls can't change results."""
+    kwargs = {"serializer": distcomm.PickleSerializer(oob_threshold=0), "slot_bytes": slot_bytes}
+    run = spawn if world == "gloo" else run_threaded
+    for values, writable in run(_results_outlive_the_next_call, 2, timeout=120, **kwargs):
+        assert values == [[0] * 10, [1] * 10]
+        assert writable == [True, True]
