@@ -505,16 +505,17 @@ class Communicator(abc.ABC):
         self, op: Op, seq: int, root: int, digest: int, parts: list[list[memoryview]]
     ) -> tuple[bytearray, list[list[memoryview]]]:
         """The slot, and the parts as they travel (each packed into one segment if the table overflows)."""
-        flags = 0
-        if _frame.table_size([len(p) for p in parts]) > self.slot_bytes:
-            parts = [[memoryview(_frame.pack(p))] for p in parts]
-            flags = _frame.PACKED
-            if _frame.table_size([1] * len(parts)) > self.slot_bytes:
-                return _frame.encode_status(
-                    _frame.INVALID, op, seq, root,
-                    f"{len(parts)} parts don't fit a slot of {self.slot_bytes} bytes; raise slot_bytes",
-                    self.slot_bytes), []
-        return _frame.encode(op, seq, root, digest, parts, self.slot_bytes, flags=flags), parts
+        try:
+            return _frame.encode(op, seq, root, digest, parts, self.slot_bytes), parts
+        except ValueError:  # the segment table doesn't fit: one packed segment per part
+            packed = [[memoryview(_frame.pack(p))] for p in parts]
+        try:
+            return _frame.encode(op, seq, root, digest, packed, self.slot_bytes, flags=_frame.PACKED), packed
+        except ValueError:
+            return _frame.encode_status(
+                _frame.INVALID, op, seq, root,
+                f"{len(parts)} parts don't fit a slot of {self.slot_bytes} bytes; raise slot_bytes",
+                self.slot_bytes), []
 
     def _run(
         self,
@@ -648,32 +649,19 @@ class Communicator(abc.ABC):
             raise SerializationError(what, op=op.label, ranks=ranks)
         raise CollectiveError(what, op=op.label, ranks=ranks)
 
-    def _receivers(self, op: Op, root: int, src: int) -> list[tuple[int, int]]:
-        """(part index, receiving rank) pairs for the parts rank ``src`` contributes."""
-        n = self.world_size
-        if op is Op.ALL_GATHER or op is Op.KEYS or op is Op.SETUP:
-            return [(0, r) for r in range(n) if r != src]
-        if op is Op.GATHER:
-            return [] if src == root else [(0, root)]
-        if op is Op.BROADCAST:
-            return [(0, r) for r in range(n) if r != src] if src == root else []
-        if op is Op.SCATTER:
-            return [(r, r) for r in range(n) if r != src] if src == root else []
-        return []
-
-    def _part_from(self, op: Op, root: int, src: int) -> int | None:
-        """The index of the part that rank ``src`` sends to this rank, or None."""
-        me = self.rank
-        if src == me:
+    @staticmethod
+    def _route(op: Op, root: int, src: int, dst: int) -> int | None:
+        """The index of the part that rank ``src`` sends to rank ``dst`` in ``op``, or None."""
+        if src == dst:
             return None
         if op is Op.ALL_GATHER or op is Op.KEYS or op is Op.SETUP:
             return 0
         if op is Op.GATHER:
-            return 0 if me == root else None
+            return 0 if dst == root else None
         if op is Op.BROADCAST:
             return 0 if src == root else None
         if op is Op.SCATTER:
-            return me if src == root else None
+            return dst if src == root else None
         return None
 
     def _plan(self, op: Op, root: int, parts: list[list[memoryview]], slots: list[_frame.Slot]) -> _Plan:
@@ -681,13 +669,16 @@ class Communicator(abc.ABC):
         me = self.rank
         # what I send: my segments that did not fit the slot, to each receiver of their part
         mine = slots[me].parts
-        for sent, dst in self._receivers(op, root, me):
+        for dst in range(self.world_size):
+            sent = self._route(op, root, me, dst)
+            if sent is None:
+                continue
             for (size, inline), seg in zip(mine[sent], parts[sent], strict=True):
                 if inline is None and size:
                     plan.sends.append((dst, _byte_tensor(seg)))
         # what I receive: each source's part meant for me, into exact-size buffers
         for src in range(self.world_size):
-            p = self._part_from(op, root, src)
+            p = self._route(op, root, src, me)
             if p is None:
                 continue
             theirs = slots[src].parts

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import datetime
 import socket
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import cloudpickle
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ._communicator import DEFAULT_TIMEOUT
@@ -29,20 +27,12 @@ def _worker(
     local_rank: int, payload: bytes, per_machine: int, num_machines: int, machine_rank: int,
     url: str, backend: str, timeout: float,
 ) -> None:
-    from ._torch import GlooCommunicator, NcclCommunicator
+    from ._torch import GlooCommunicator, NcclCommunicator, start_world
 
     main_func, args = cloudpickle.loads(payload)
-    rank = machine_rank * per_machine + local_rank
-    world = per_machine * num_machines
-    td = datetime.timedelta(seconds=timeout)
-    if backend == "nccl":
-        device = torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", init_method=url, rank=rank, world_size=world, timeout=td, device_id=device)
-        comm: Any = NcclCommunicator(None, device=device, timeout=timeout, machine=machine_rank, _owns_default=True)
-    else:
-        dist.init_process_group("gloo", init_method=url, rank=rank, world_size=world, timeout=td)
-        comm = GlooCommunicator(None, timeout=timeout, machine=machine_rank, _owns_default=True)
+    cls = NcclCommunicator if backend == "nccl" else GlooCommunicator
+    comm = start_world(cls, url, machine_rank * per_machine + local_rank, per_machine * num_machines, local_rank,
+                       timeout=timeout, machine=machine_rank)
     with comm, use(comm):
         main_func(*args)
 

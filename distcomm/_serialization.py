@@ -220,7 +220,7 @@ class _SafeUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        if module.startswith("numpy") and name.endswith("DType") and module in ("numpy", "numpy.dtypes"):
+        if module in ("numpy", "numpy.dtypes") and name.endswith("DType"):
             return super().find_class(module, name)
         if (module, name) in _SAFE_GLOBALS or (module, name) in self._allowed:
             return super().find_class(module, name)

@@ -286,10 +286,6 @@ class _TorchCommunicator(Communicator):
 
     # ------------------------------------------------------------------ construction from the environment
     @classmethod
-    def _init_default(cls, rank: int, world: int, timeout: datetime.timedelta) -> None:
-        raise NotImplementedError
-
-    @classmethod
     def from_env(cls, *, timeout: float | datetime.timedelta | None = None, **kwargs: Any) -> Any:
         """Initialize torch.distributed from the torchrun variables and return a communicator.
 
@@ -308,15 +304,8 @@ class _TorchCommunicator(Communicator):
             rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         except ValueError as e:
             raise CommunicatorStateError(f"RANK/WORLD_SIZE must be integers: {e}") from e
-        seconds = _seconds(timeout, DEFAULT_TIMEOUT)
-        assert seconds is not None
-        cls._init_default(rank, world, datetime.timedelta(seconds=seconds))
-        try:
-            return cls(None, timeout=timeout, _owns_default=True, **kwargs)
-        except BaseException:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-            raise
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        return start_world(cls, "env://", rank, world, local_rank, timeout=timeout, **kwargs)
 
 
 class GlooCommunicator(_TorchCommunicator):
@@ -339,9 +328,6 @@ class GlooCommunicator(_TorchCommunicator):
                 f"GlooCommunicator needs a gloo process group, this one's backend is {backend!r}; "
                 f"use NcclCommunicator for NCCL")
 
-    @classmethod
-    def _init_default(cls, rank: int, world: int, timeout: datetime.timedelta) -> None:
-        dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world, timeout=timeout)
 
 
 class NcclCommunicator(_TorchCommunicator):
@@ -375,10 +361,7 @@ class NcclCommunicator(_TorchCommunicator):
                 f"use GlooCommunicator for gloo")
 
     def _object_group(self) -> Any:
-        g = dist.new_group(self._ranks, backend="gloo", timeout=_td(self._timeout),
-                           use_local_synchronization=not self._is_world)
-        self._owned.append(g)
-        return g
+        return self._new_group(list(range(self._world)), "gloo")
 
     def _local_backend(self) -> str | None:
         return "nccl"
@@ -410,14 +393,35 @@ class NcclCommunicator(_TorchCommunicator):
         except Exception as e:
             self._fail(e, timeout)
 
-    @classmethod
-    def _init_default(cls, rank: int, world: int, timeout: datetime.timedelta) -> None:
+
+def start_world(
+    cls: type[_TorchCommunicator], init_method: str, rank: int, world: int, local_rank: int, *,
+    timeout: float | datetime.timedelta | None = None, **kwargs: Any,
+) -> Any:
+    """Initialize torch.distributed's default group and return a ``cls`` communicator that owns it.
+
+    The one place that starts a job's group: used by ``from_env`` (torchrun), ``launch`` and
+    ``distcomm.testing.spawn``. For NCCL it binds ``cuda:<local_rank % device_count>`` first.
+    If the communicator can't be built, the group is destroyed again.
+    """
+    seconds = _seconds(timeout, DEFAULT_TIMEOUT)
+    assert seconds is not None
+    td = datetime.timedelta(seconds=seconds)
+    if issubclass(cls, NcclCommunicator):
         if not torch.cuda.is_available():
             raise CommunicatorStateError(
                 "NcclCommunicator needs CUDA and NCCL, and this machine has no CUDA device; "
                 "use GlooCommunicator on CPU")
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        device = torch.device("cuda", local % torch.cuda.device_count())
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", init_method="env://", rank=rank, world_size=world, timeout=timeout,
+        dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world, timeout=td,
                                 device_id=device)
+        kwargs.setdefault("device", device)
+    else:
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world, timeout=td)
+    try:
+        return cls(None, timeout=timeout, _owns_default=True, **kwargs)
+    except BaseException:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise

@@ -181,10 +181,10 @@ class FakeCommunicator(Communicator):
         slot, parts = self._build_slot(op, seq, root, 0, parts)
         decoded = _frame.decode(slot)
         queue: deque[memoryview] = deque()
-        for p, dst in self._receivers(op, root, r):
-            if dst == self._rank:
-                queue.extend(seg for (_, inline), seg in zip(decoded.parts[p], parts[p], strict=True)
-                             if inline is None and seg.nbytes)
+        p = self._route(op, root, r, self._rank)
+        if p is not None:
+            queue.extend(seg for (_, inline), seg in zip(decoded.parts[p], parts[p], strict=True)
+                         if inline is None and seg.nbytes)
         self._pending[r] = queue
         return slot
 

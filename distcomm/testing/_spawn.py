@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime
 import multiprocessing as mp
 import queue as queue_mod
 import time
@@ -22,25 +21,13 @@ _R = TypeVar("_R")
 
 def _spawn_worker(rank: int, world: int, url: str, payload: bytes, out: Any, backend: str, timeout: float) -> None:
     try:
-        import torch.distributed as dist
-
         from .._context import use
-        from .._torch import GlooCommunicator, NcclCommunicator
+        from .._torch import GlooCommunicator, NcclCommunicator, start_world
 
         fn, comm_kwargs = cloudpickle.loads(payload)
-        td = datetime.timedelta(seconds=timeout)
-        if backend == "nccl":
-            import torch
-
-            device = torch.device("cuda", rank % max(torch.cuda.device_count(), 1))
-            torch.cuda.set_device(device)
-            dist.init_process_group(backend, init_method=url, rank=rank, world_size=world, timeout=td,
-                                    device_id=device)
-        else:
-            dist.init_process_group(backend, init_method=url, rank=rank, world_size=world, timeout=td)
-        cls: Any = GlooCommunicator if backend == "gloo" else NcclCommunicator
         comm_kwargs.setdefault("timeout", timeout)
-        comm = cls(None, _owns_default=True, **comm_kwargs)
+        cls = GlooCommunicator if backend == "gloo" else NcclCommunicator
+        comm = start_world(cls, url, rank, world, rank, **comm_kwargs)
         with comm, use(comm):
             result = fn(comm)
         out.put((rank, True, cloudpickle.dumps(result), ""))
