@@ -263,12 +263,23 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--payload", action="append", help="time only this payload (repeatable); prints the "
+                        "table and writes nothing, like --world")
+    parser.add_argument("--world", action="append", type=int, help="time only this world size (repeatable)")
     args = parser.parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)
     tmp = RESULTS / "_tmp.json"
     names = ["dict of 8 floats", "2,000 small dicts", "32 MiB array", "32 MiB tensor", "skewed 32 MiB"]
+    partial = bool(args.payload or args.world)
+    if args.payload:
+        unknown = [n for n in args.payload if n not in names]
+        if unknown:
+            parser.error(f"unknown payloads {unknown}; choose from {names}")
+        names = args.payload
+    if partial:
+        args.no_plot = args.no_memory = True
     rows: list[dict[str, Any]] = []
-    for world in (2, 4):
+    for world in args.world or (2, 4):
         cases = [(n, op, 32 * MiB) for n in names for op in ("all_gather", "gather")]
         run_world(time_worker, world, cases, args.quick, str(tmp))
         rows += json.loads(tmp.read_text())
@@ -277,7 +288,7 @@ def main() -> None:
         sizes = [1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 23, 1 << 25]
         run_world(time_worker, 2, [("array", "all_gather", s) for s in sizes], args.quick, str(tmp))
         sweep = json.loads(tmp.read_text())
-    threaded = [threaded_small(w, 50 if args.quick else 200) for w in (2, 4)]
+    threaded = [] if partial else [threaded_small(w, 50 if args.quick else 200) for w in (2, 4)]
     mem: list[dict[str, Any]] = []
     if not args.no_memory:
         for op in ("all_gather", "gather"):
@@ -315,6 +326,8 @@ def main() -> None:
             lines.append(f"| {m['op']} | {m['impl']} | {a / 256:.2f}x | {b / 256:.2f}x |")
     text = "\n".join(lines) + "\n"
     print(text)
+    if partial:
+        return
     (RESULTS / "results.md").write_text(text)
     (RESULTS / "results.json").write_text(json.dumps({"time": rows, "sweep": sweep, "memory": mem,
                                                     "threaded": threaded}, indent=1))

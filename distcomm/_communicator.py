@@ -6,21 +6,26 @@ A collective runs in up to three steps, the same on every rank:
    (op, sequence number, root, status, digest), the sizes of its segments, and the segments that
    fit. Small objects are done here, in one round trip. Every rank now knows every rank's sizes,
    failures and what it called, so all ranks take the same decision: raise the same error, or go on.
-2. Segments that did not fit move point to point, each into a buffer of its exact size, sent from
-   the sender's own memory. Nobody pads to the largest rank; a rank that needs nothing gets nothing.
-3. Each receiver deserializes; out-of-band buffers become the results' memory.
+2. Segments that did not fit move into buffers of their exact size, sent from the sender's own
+   memory. Nobody pads to the largest rank; a rank that needs nothing gets nothing. They move in one
+   all-to-all with per-rank sizes when that costs no copy or only small ones (every rank decides
+   alike, from the slots), else point to point.
+3. Each receiver deserializes; out-of-band buffers become the results' memory. Python's cyclic
+   garbage collector waits while large results load.
 
 Subclasses only move bytes: ``_allgather_slots``, ``_exchange`` (point to point), ``_reduce_tensor``
-and optionally ``_device_barrier``. The in-process test world implements the same four, so unit tests
-run this very code.
+and optionally ``_alltoallv`` (a native all-to-all; the default goes through ``_exchange``) and
+``_device_barrier``. The in-process test world implements the same, so unit tests run this very code.
 """
 
 from __future__ import annotations
 
 import abc
 import datetime
+import gc
 import hashlib
 import os
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -70,6 +75,12 @@ class Op(IntEnum):
 
 _LABELS = {op: op.name.lower() for op in Op}
 
+# The members the per-call path compares against, as module names: reading an attribute of an
+# enum class costs several times a global lookup on Python 3.11, and small collectives are
+# dominated by such per-call Python work.
+_ALL_GATHER, _GATHER, _BROADCAST, _SCATTER, _KEYS, _SETUP = (
+    Op.ALL_GATHER, Op.GATHER, Op.BROADCAST, Op.SCATTER, Op.KEYS, Op.SETUP)
+
 
 @dataclass
 class OpStats:
@@ -88,10 +99,15 @@ class _Plan:
     """What this rank sends and receives in step 2, and the segments it will deserialize."""
 
     sends: list[tuple[int, torch.Tensor]] = field(default_factory=list)
-    recvs: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    recvs: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # point to point only
     # per source rank: its segments, each an inline view or the tensor it is received into
     incoming: dict[int, list[memoryview | torch.Tensor]] = field(default_factory=dict)
     packed: dict[int, bool] = field(default_factory=dict)
+    send_counts: list[int] = field(default_factory=list)  # bytes to / from each rank
+    recv_counts: list[int] = field(default_factory=list)
+    # step 2 as one all-to-all: every received segment is a view of one buffer
+    alltoall: bool = False
+    recv_buf: torch.Tensor | None = None
 
 
 def _seconds(timeout: float | datetime.timedelta | None, default: float | None) -> float | None:
@@ -115,6 +131,40 @@ def _byte_tensor(view: memoryview) -> torch.Tensor:
             warnings.simplefilter("ignore")
             return torch.frombuffer(view, dtype=torch.uint8)
     return torch.frombuffer(view, dtype=torch.uint8)
+
+
+class _GCPause:
+    """Hold off Python's cyclic garbage collector while large payloads are unpickled.
+
+    Unpickling allocates one container per dict or list in the payload; every 700 of them start a
+    collection that walks the young objects, and later the whole heap. For results made of many
+    small objects (detections, metrics rows) that is most of the unpickling time. The collector is
+    only postponed: it runs as usual once loading ends. Nested and concurrent pauses (threads) are
+    counted, so the last one out restores the state found by the first one in.
+    """
+
+    _lock = threading.Lock()
+    _depth = 0
+    _was_enabled = False
+
+    def __enter__(self) -> None:
+        cls = _GCPause
+        with cls._lock:
+            if cls._depth == 0:
+                cls._was_enabled = gc.isenabled()
+                gc.disable()
+            cls._depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        cls = _GCPause
+        with cls._lock:
+            cls._depth -= 1
+            if cls._depth == 0 and cls._was_enabled:
+                gc.enable()
+
+
+_GC_PAUSE_BYTES = 16 * 1024
+"""Loading what arrived after the slots pauses the collector when that is at least this many bytes."""
 
 
 def _work_dtype(values: Iterable[Any]) -> torch.dtype:
@@ -146,6 +196,11 @@ class Communicator(abc.ABC):
         receive_cuda_on: where tensors that were on a CUDA device when sent are rebuilt:
             "device" (this rank's CUDA device when it has one, else CPU) or "cpu".
     """
+
+    # Step 2 runs as one all-to-all unless a rank would have to copy more than this many bytes to
+    # line up its sends, or any rank sends or receives more than the max: then point to point.
+    _alltoall_copy_bytes = 1 << 20
+    _alltoall_max_bytes = (1 << 31) - 1
 
     def __init__(
         self,
@@ -238,6 +293,27 @@ class Communicator(abc.ABC):
         self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]], timeout: float | None
     ) -> None:
         """Send each (dst, tensor) and receive each (src, tensor) concurrently, in list order per pair."""
+
+    def _alltoallv(
+        self, send: torch.Tensor, send_counts: list[int], recv: torch.Tensor, recv_counts: list[int],
+        timeout: float | None,
+    ) -> None:
+        """Send ``send_counts[r]`` bytes of ``send`` (chunks in rank order) to each rank r; receive
+        ``recv_counts[r]`` bytes from each rank r into ``recv``, in rank order. Every rank calls it.
+
+        This default moves each chunk point to point through ``_exchange``; transports with a
+        native all-to-all override it.
+        """
+        sends, recvs = [], []
+        out = inp = 0
+        for r in range(self.world_size):
+            if send_counts[r]:
+                sends.append((r, send[out : out + send_counts[r]]))
+                out += send_counts[r]
+            if recv_counts[r]:
+                recvs.append((r, recv[inp : inp + recv_counts[r]]))
+                inp += recv_counts[r]
+        self._exchange(sends, recvs, timeout)
 
     @abc.abstractmethod
     def _reduce_tensor(self, tensor: torch.Tensor, dst: int | None, timeout: float | None) -> None:
@@ -489,13 +565,13 @@ class Communicator(abc.ABC):
         """Segments per part, plus a status and message when the rank can't take part."""
         rank = self.rank if rank is None else rank
         try:
-            if op is Op.SCATTER:
+            if op is _SCATTER:
                 if rank != root:
                     return [], _frame.OK, ""
                 return [
                     [] if r == root else self.serializer.dumps(o) for r, o in enumerate(obj)
                 ], _frame.OK, ""
-            if op is Op.BROADCAST and rank != root:
+            if op is _BROADCAST and rank != root:
                 return [], _frame.OK, ""
             return [self.serializer.dumps(obj)], _frame.OK, ""
         except Exception as e:  # any failure of user objects' pickling is reported on every rank
@@ -549,6 +625,7 @@ class Communicator(abc.ABC):
             slot, parts = self._build_slot(op, seq, root, digest, parts)
         else:
             slot = _frame.encode_status(status, op, seq, root, message, self.slot_bytes)
+        mine = _frame.decode(slot)  # before the exchange: the code after it runs on a cold cache
         t1 = time.perf_counter()
         st.serialize_s += t1 - t0
 
@@ -558,6 +635,9 @@ class Communicator(abc.ABC):
         size = self.slot_bytes
         slots = []
         for r in range(self.world_size):
+            if r == self.rank:
+                slots.append(mine)
+                continue
             try:
                 slots.append(_frame.decode(raw[r * size : (r + 1) * size]))
             except FrameError as e:
@@ -571,47 +651,63 @@ class Communicator(abc.ABC):
             return []
 
         plan = self._plan(op, root, parts, slots)
-        if plan.sends or plan.recvs:
+        if plan.alltoall:
+            sends = [t for _, t in plan.sends]
+            send = sends[0] if len(sends) == 1 else torch.cat(sends) if sends else torch.empty(0, dtype=torch.uint8)
+            assert plan.recv_buf is not None
+            self._alltoallv(send, plan.send_counts, plan.recv_buf, plan.recv_counts, timeout)
+        elif plan.sends or plan.recvs:
             self._exchange(plan.sends, plan.recvs, timeout)
-            st.bytes_sent += sum(t.numel() for _, t in plan.sends)
-            st.bytes_received += sum(t.numel() for _, t in plan.recvs)
+        st.bytes_sent += sum(plan.send_counts)
+        st.bytes_received += sum(plan.recv_counts)
         t2 = time.perf_counter()
         st.transfer_s += t2 - t1
 
         results: list[Any] = [None] * self.world_size
-        if op is Op.SCATTER:
+        if op is _SCATTER:
             results[self.rank] = obj[self.rank] if self.rank == root else None
-        elif op is not Op.BROADCAST or self.rank == root:
+        elif op is not _BROADCAST or self.rank == root:
             results[self.rank] = obj
         token = _CUDA_TARGET.set(self._cuda_target)
         try:
-            for src, segs in plan.incoming.items():
-                # Out-of-band buffers become the results' memory: those that came inline in the slot
-                # are copied out of it (the slot buffer is the transport's, and may be read-only).
-                views = [s if isinstance(s, memoryview) else memoryview(s.numpy()) for s in segs]  # type: ignore[arg-type]
-                if plan.packed.get(src):
-                    inline = isinstance(segs[0], memoryview)
-                    views = _frame.unpack(views[0])
-                    if inline:
-                        views[1:] = [memoryview(bytearray(v)) for v in views[1:]]
-                else:
-                    views[1:] = [memoryview(bytearray(v)) if isinstance(s, memoryview) else v
-                                 for v, s in zip(views[1:], segs[1:], strict=True)]
-                try:
-                    results[self.rank if op is Op.SCATTER else src] = self.serializer.loads(views)
-                except CollectiveError as e:
-                    e.args = (f"{op.label} #{seq}: can't load the object from rank {src}: {e}",)
-                    e.op, e.ranks = op.label, (src,)
-                    raise
-                except Exception as e:
-                    raise SerializationError(
-                        f"{op.label} #{seq}: can't load the object from rank {src}: {type(e).__name__}: {e}",
-                        op=op.label, ranks=[src],
-                    ) from e
+            if sum(plan.recv_counts) >= _GC_PAUSE_BYTES:
+                with _GCPause():
+                    self._load_all(op, seq, plan, results)
+            else:
+                self._load_all(op, seq, plan, results)
         finally:
             _CUDA_TARGET.reset(token)
         st.deserialize_s += time.perf_counter() - t2
         return results
+
+    def _load_all(self, op: Op, seq: int, plan: _Plan, results: list[Any]) -> None:
+        for src, segs in plan.incoming.items():
+            results[self.rank if op is _SCATTER else src] = self._load(op, seq, src, segs, plan.packed[src])
+
+    def _load(self, op: Op, seq: int, src: int, segs: list[memoryview | torch.Tensor], packed: bool) -> Any:
+        """Deserialize one rank's segments (inline views or received tensors)."""
+        # Out-of-band buffers become the results' memory: those that came inline in the slot
+        # are copied out of it (the slot buffer is the transport's, and may be read-only).
+        views = [s if isinstance(s, memoryview) else memoryview(s.numpy()) for s in segs]  # type: ignore[arg-type]
+        if packed:
+            inline = isinstance(segs[0], memoryview)
+            views = _frame.unpack(views[0])
+            if inline:
+                views[1:] = [memoryview(bytearray(v)) for v in views[1:]]
+        else:
+            views[1:] = [memoryview(bytearray(v)) if isinstance(s, memoryview) else v
+                         for v, s in zip(views[1:], segs[1:], strict=True)]
+        try:
+            return self.serializer.loads(views)
+        except CollectiveError as e:
+            e.args = (f"{op.label} #{seq}: can't load the object from rank {src}: {e}",)
+            e.op, e.ranks = op.label, (src,)
+            raise
+        except Exception as e:
+            raise SerializationError(
+                f"{op.label} #{seq}: can't load the object from rank {src}: {type(e).__name__}: {e}",
+                op=op.label, ranks=[src],
+            ) from e
 
     def _cuda_target(self) -> torch.device | None:
         if self.receive_cuda_on == "cpu":
@@ -654,49 +750,96 @@ class Communicator(abc.ABC):
         """The index of the part that rank ``src`` sends to rank ``dst`` in ``op``, or None."""
         if src == dst:
             return None
-        if op is Op.ALL_GATHER or op is Op.KEYS or op is Op.SETUP:
+        if op is _ALL_GATHER or op is _KEYS or op is _SETUP:
             return 0
-        if op is Op.GATHER:
+        if op is _GATHER:
             return 0 if dst == root else None
-        if op is Op.BROADCAST:
+        if op is _BROADCAST:
             return 0 if src == root else None
-        if op is Op.SCATTER:
+        if op is _SCATTER:
             return dst if src == root else None
         return None
 
+    def _alltoall_fits(self, op: Op, root: int, slots: list[_frame.Slot]) -> bool:
+        """Whether step 2 runs as one all-to-all (False too when nothing travels after the slots).
+
+        Decided from the slots alone, so every rank decides the same. An all-to-all takes each
+        rank's sends from one buffer and lands its receives in one buffer: free when a rank sends
+        or receives one segment (the usual case with two ranks); otherwise the sender copies its
+        segments together, and the receiver's results share one buffer (which lives as long as any
+        of them), so both are allowed up to ``_alltoall_copy_bytes``.
+        """
+        world, most, copy = self.world_size, self._alltoall_max_bytes, self._alltoall_copy_bytes
+        sent, received = [0] * world, [0] * world
+        sent_pieces, received_pieces = [0] * world, [0] * world
+        for src in range(world):
+            theirs = slots[src].parts
+            for dst in range(world):
+                p = self._route(op, root, src, dst)
+                if p is None or p >= len(theirs):
+                    continue
+                for size, inline in theirs[p]:
+                    if inline is None and size:
+                        sent[src] += size
+                        received[dst] += size
+                        sent_pieces[src] += 1
+                        received_pieces[dst] += 1
+        if not any(sent_pieces):
+            return False
+        return all(
+            nbytes <= most and (pieces <= 1 or nbytes <= copy)
+            for nbytes, pieces in zip(sent + received, sent_pieces + received_pieces, strict=True)
+        )
+
     def _plan(self, op: Op, root: int, parts: list[list[memoryview]], slots: list[_frame.Slot]) -> _Plan:
-        plan = _Plan()
-        me = self.rank
+        me, world = self.rank, self.world_size
+        moving = any(s.later for s in slots)
+        plan = _Plan(alltoall=moving and self._alltoall_fits(op, root, slots),
+                     send_counts=[0] * world, recv_counts=[0] * world)
         # what I send: my segments that did not fit the slot, to each receiver of their part
         mine = slots[me].parts
-        for dst in range(self.world_size):
+        for dst in range(world) if slots[me].later else ():
             sent = self._route(op, root, me, dst)
             if sent is None:
                 continue
             for (size, inline), seg in zip(mine[sent], parts[sent], strict=True):
                 if inline is None and size:
                     plan.sends.append((dst, _byte_tensor(seg)))
-        # what I receive: each source's part meant for me, into exact-size buffers
-        for src in range(self.world_size):
+                    plan.send_counts[dst] += size
+        # what I receive: each source's part meant for me, into exact-size buffers (with an
+        # all-to-all: views of one buffer, each source's segments in turn)
+        wanted: list[tuple[int, list[tuple[int, memoryview | None]]]] = []
+        for src in range(world):
             p = self._route(op, root, src, me)
             if p is None:
                 continue
             theirs = slots[src].parts
             if p >= len(theirs):
                 raise FrameError(f"rank {src} sent {len(theirs)} parts, part {p} missing", op=op.label, ranks=[src])
-            segs: list[memoryview | torch.Tensor] = []
             for size, inline in theirs[p]:
+                if inline is None:
+                    if self.max_bytes is not None and size > self.max_bytes:
+                        raise PayloadTooLargeError(
+                            f"rank {src} announced {size} bytes, over max_bytes={self.max_bytes}",
+                            op=op.label, ranks=[src])
+                    plan.recv_counts[src] += size
+            wanted.append((src, theirs[p]))
+            plan.packed[src] = bool(slots[src].header.flags & _frame.PACKED)
+        if plan.alltoall:
+            plan.recv_buf = torch.empty(sum(plan.recv_counts), dtype=torch.uint8)
+        offset = 0
+        for src, entries in wanted:
+            segs: list[memoryview | torch.Tensor] = []
+            for size, inline in entries:
                 if inline is not None:
                     segs.append(inline)
-                    continue
-                if self.max_bytes is not None and size > self.max_bytes:
-                    raise PayloadTooLargeError(
-                        f"rank {src} announced {size} bytes, over max_bytes={self.max_bytes}",
-                        op=op.label, ranks=[src])
-                buf = torch.empty(size, dtype=torch.uint8)
-                if size:
-                    plan.recvs.append((src, buf))
-                segs.append(buf)
+                elif plan.recv_buf is not None:
+                    segs.append(plan.recv_buf[offset : offset + size])
+                    offset += size
+                else:
+                    buf = torch.empty(size, dtype=torch.uint8)
+                    if size:
+                        plan.recvs.append((src, buf))
+                    segs.append(buf)
             plan.incoming[src] = segs
-            plan.packed[src] = bool(slots[src].header.flags & _frame.PACKED)
         return plan

@@ -3,8 +3,8 @@
 Every object collective starts with an all-gather of one slot from every rank. A slot holds a
 header (op, sequence number, root, status, a digest), a table of segment sizes, and as many
 small segments inline as fit. A segment is one contiguous piece of a serialized object: its pickle
-stream or an out-of-band buffer. Segments that don't fit travel afterwards, point to point, into
-buffers of their exact size. When the table itself doesn't fit, each part is packed into one
+stream or an out-of-band buffer. Segments that don't fit travel afterwards into buffers of their
+exact size. When the table itself doesn't fit, each part is packed into one
 segment (``pack`` / ``unpack``).
 
 Layout (little-endian)::
@@ -68,6 +68,7 @@ class Slot:
     header: Header
     parts: list[list[tuple[int, memoryview | None]]] = field(default_factory=list)
     message: str = ""
+    later: int = 0  # bytes of the segments that travel after the slots
 
 
 def table_size(part_lengths: Sequence[int]) -> int:
@@ -154,7 +155,7 @@ def decode(buf: memoryview | bytes | bytearray) -> Slot:
     if sum(counts) != nsegs:
         raise FrameError(f"part counts add up to {sum(counts)}, header says {nsegs} segments")
     data = HEADER_SIZE + 4 * nparts + 8 * nsegs
-    seen = 0
+    seen = later = 0
     parts: list[list[tuple[int, memoryview | None]]] = []
     i = 0
     for c in counts:
@@ -163,6 +164,7 @@ def decode(buf: memoryview | bytes | bytearray) -> Slot:
             if e >= 0:
                 part.append((e, None))
                 seen += e
+                later += e
             else:
                 size = -e - 1
                 if data + size > n:
@@ -174,7 +176,7 @@ def decode(buf: memoryview | bytes | bytearray) -> Slot:
         parts.append(part)
     if seen != total:
         raise FrameError(f"segments add up to {seen} bytes, header says {total}")
-    return Slot(header, parts)
+    return Slot(header, parts, "", later)
 
 
 @functools.lru_cache(maxsize=256)

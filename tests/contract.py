@@ -94,6 +94,18 @@ def exercise(comm: distcomm.Communicator) -> dict[str, Any]:
     return out
 
 
+def exercise_point_to_point(comm: distcomm.Communicator) -> dict[str, Any]:
+    """The contract with every transfer after the slots point to point."""
+    comm._alltoall_max_bytes = -1  # type: ignore[attr-defined]
+    return exercise(comm)
+
+
+def exercise_alltoall(comm: distcomm.Communicator) -> dict[str, Any]:
+    """The contract with every transfer after the slots in one all-to-all, copies or not."""
+    comm._alltoall_copy_bytes = 1 << 62  # type: ignore[attr-defined]
+    return exercise(comm)
+
+
 def expected(r: int, n: int) -> dict[str, Any]:
     avg = {"loss": sum(range(n)) / n, "acc": sum(2.0 * i for i in range(n)) / n,
            "count": sum(i + 1 for i in range(n)) / n}

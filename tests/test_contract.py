@@ -7,7 +7,7 @@ import pytest
 
 import distcomm
 from distcomm.testing import FakeCommunicator, run_threaded, spawn
-from tests.contract import check, exercise, peers
+from tests.contract import check, exercise, exercise_alltoall, exercise_point_to_point, peers
 
 
 def test_local() -> None:
@@ -34,6 +34,26 @@ def test_gloo(world_size: int) -> None:
     results = spawn(exercise, world_size, timeout=120)
     for r, result in enumerate(results):
         check(result, local=(r, world_size))
+
+
+_STEP2 = {"point_to_point": exercise_point_to_point, "alltoall": exercise_alltoall}
+
+
+@pytest.mark.parametrize("step2", sorted(_STEP2))
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_step2_modes_fake_and_threaded(step2: str, world_size: int) -> None:
+    """The transfers after the slots, forced point to point or into one all-to-all: same results."""
+    fn = _STEP2[step2]
+    for rank in range(world_size):
+        check(fn(FakeCommunicator(rank, world_size, peers=peers)), local=(rank, world_size))
+    for r, result in enumerate(run_threaded(fn, world_size, timeout=60)):
+        check(result, local=(r, world_size))
+
+
+@pytest.mark.parametrize("step2", sorted(_STEP2))
+def test_step2_modes_gloo(step2: str) -> None:
+    for r, result in enumerate(spawn(_STEP2[step2], 4, timeout=120)):
+        check(result, local=(r, 4))
 
 
 @pytest.mark.parametrize("slot_bytes", [256, 1 << 16])

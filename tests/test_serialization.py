@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import gc
 import os
 import pickle
 from typing import Any
@@ -146,3 +147,39 @@ def test_stats_count_calls_bytes_and_time() -> None:
     assert ag.calls == 1 and ag.bytes_sent >= 100_000 and ag.bytes_received >= 100_000
     assert ag.serialize_s > 0 and ag.transfer_s > 0 and ag.deserialize_s > 0
     assert stats[1]["gather"].bytes_received == 4096  # rank 1 receives only the slot
+
+
+class _RecordsGC(distcomm.PickleSerializer):
+    """Notes whether the cyclic garbage collector was enabled during each load."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[int, bool]] = []
+
+    def loads(self, segments: Any) -> Any:
+        obj = super().loads(segments)
+        self.seen.append((len(obj), gc.isenabled()))
+        return obj
+
+
+def _many_then_few(comm: distcomm.Communicator) -> bool:
+    comm.all_gather([{"id": i, "box": [0.0, 1.0, 2.0, 3.0]} for i in range(5000)])  # ~300 KB of small objects
+    comm.all_gather([comm.rank])
+    return gc.isenabled()
+
+
+def test_collector_waits_while_large_results_load_and_comes_back() -> None:
+    """Loading many small objects doesn't trigger collection after collection; the state is restored."""
+    ser = _RecordsGC()
+    assert gc.isenabled()
+    assert run_threaded(_many_then_few, 3, serializer=ser) == [True] * 3  # threads pause and resume together
+    assert gc.isenabled()
+    assert sorted(ser.seen) == [(1, True)] * 6 + [(5000, False)] * 6
+    gc.disable()  # a user who turned the collector off keeps it off
+    try:
+        ser.seen.clear()
+        assert run_threaded(_many_then_few, 2, serializer=ser) == [False] * 2
+        assert not gc.isenabled()
+        assert sorted(ser.seen) == [(1, False)] * 2 + [(5000, False)] * 2
+    finally:
+        gc.enable()

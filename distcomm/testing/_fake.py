@@ -197,9 +197,12 @@ class FakeCommunicator(Communicator):
     def _exchange(
         self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]], timeout: float | None
     ) -> None:
-        for src, buf in recvs:
-            seg = self._pending[src].popleft()
-            buf.numpy()[:] = memoryview(seg).cast("B")
+        for src, buf in recvs:  # one buffer per segment, or several segments back to back (all-to-all)
+            out, filled = buf.numpy(), 0
+            while filled < out.nbytes:
+                seg = memoryview(self._pending[src].popleft()).cast("B")
+                out[filled : filled + seg.nbytes] = seg
+                filled += seg.nbytes
 
     def _reduce_tensor(self, tensor: torch.Tensor, dst: int | None, timeout: float | None) -> None:
         total = torch.zeros_like(tensor)
