@@ -86,3 +86,19 @@ def test_small_out_of_band_buffers_are_the_results_own(world: str, slot_bytes: i
     for values, writable in run(_results_outlive_the_next_call, 2, timeout=120, **kwargs):
         assert values == [[0] * 10, [1] * 10]
         assert writable == [True, True]
+
+
+def _write_into_results(comm: distcomm.Communicator) -> list[list[float]]:
+    got = comm.all_gather([np.full(20_000, float(comm.rank)), np.full(10_000, comm.rank + 0.5)])  # out of band
+    for entry in got:
+        if entry is not got[comm.rank]:
+            entry[0][:] = -1.0  # received memory is writable and each entry's own
+    return [[float(a.sum()) for a in entry] for entry in got]
+
+
+@pytest.mark.parametrize("world", ["gloo", "threaded"])
+def test_received_entries_do_not_overlap(world: str) -> None:
+    """Results that arrived in one buffer are disjoint views of it: writing one leaves the others."""
+    run = spawn if world == "gloo" else run_threaded
+    for r, sums in enumerate(run(_write_into_results, 3, timeout=120)):
+        assert sums == [[-20_000.0 if i != r else 20_000.0 * i, 10_000 * (i + 0.5)] for i in range(3)]
