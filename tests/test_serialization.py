@@ -15,7 +15,7 @@ import torch
 
 import distcomm
 from distcomm._serialization import _CUDA_TARGET, _rebuild_tensor
-from distcomm.testing import FakeCommunicator, run_threaded
+from distcomm.testing import FakeCommunicator, run_threaded, spawn
 
 
 def roundtrip(ser: distcomm.Serializer, obj: Any) -> Any:
@@ -168,6 +168,13 @@ def _many_then_few(comm: distcomm.Communicator) -> bool:
     return gc.isenabled()
 
 
+def _many_then_few_seen(comm: distcomm.Communicator) -> tuple[bool, list[tuple[int, bool]]]:
+    assert isinstance(comm.serializer, _RecordsGC)
+    comm.serializer.seen.clear()  # what the communicator's own set-up loaded
+    enabled = _many_then_few(comm)
+    return enabled, sorted(comm.serializer.seen)
+
+
 def test_collector_waits_while_large_results_load_and_comes_back() -> None:
     """Loading many small objects doesn't trigger collection after collection; the state is restored."""
     ser = _RecordsGC()
@@ -183,3 +190,9 @@ def test_collector_waits_while_large_results_load_and_comes_back() -> None:
         assert sorted(ser.seen) == [(1, False)] * 2 + [(5000, False)] * 2
     finally:
         gc.enable()
+
+
+def test_collector_waits_in_real_processes_too() -> None:
+    for enabled, seen in spawn(_many_then_few_seen, 2, timeout=120, serializer=_RecordsGC()):
+        assert enabled
+        assert seen == [(1, True), (5000, False)]
