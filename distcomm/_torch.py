@@ -24,6 +24,9 @@ from ._serialization import Serializer
 
 __all__ = ["GlooCommunicator", "NcclCommunicator"]
 
+_SETTLE_SECONDS = 0.02
+"""How long close() lets the transport's threads finish releasing the last ops."""
+
 _HOW_TO_START = (
     "torch.distributed is not initialized. Start it with {cls}.from_env() (under torchrun), "
     "with distcomm.launch(main, num_processes_per_machine=N), or with "
@@ -156,17 +159,25 @@ class _TorchCommunicator(Communicator):
         return self._local_group
 
     def _shutdown(self) -> None:
+        # A gloo worker drops its reference to a finished op's tensors after the op completes, and
+        # that needs the GIL. Release the GIL for a moment so that it can, now: at interpreter exit
+        # it would abort the process ("terminate called without an active exception").
+        time.sleep(_SETTLE_SECONDS)
         for g in reversed(self._owned):
             try:
                 dist.destroy_process_group(g)
             except Exception:  # noqa: S110 - best effort on teardown
                 pass
+        destroyed = bool(self._owned)
         self._owned.clear()
         if self._owns_default and dist.is_initialized():
+            destroyed = True
             try:
                 dist.destroy_process_group()
             except Exception:  # noqa: S110 - best effort on teardown
                 pass
+        if destroyed:  # let go of them, so that they are torn down now where nothing else holds them
+            self._group = self._obj_group = self._local_group = self._store = None
 
     # ------------------------------------------------------------------ transport
     def _wait(self, works: list[Any], timeout: float | None) -> None:

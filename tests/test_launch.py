@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 import distcomm
 
@@ -109,3 +110,28 @@ def test_from_env_under_torchrun(tmp_path: Path) -> None:
     for r in range(2):
         info = json.loads((tmp_path / f"tr{r}.json").read_text())
         assert info == {"rank": r, "local": [r, 2], "all": [0, 1], "red": 0.5}
+
+
+def _gloo_threads_after_close(comm: distcomm.Communicator) -> tuple[int, int]:
+    def gloo_threads() -> int:
+        names = []
+        for task in os.listdir("/proc/self/task"):
+            try:
+                names.append(Path(f"/proc/self/task/{task}/comm").read_text())
+            except OSError:
+                pass
+        return sum("gloo" in n for n in names)
+
+    comm.all_gather([torch.ones(3) * comm.rank])
+    comm.reduce_dict({"loss": torch.tensor(1.0)})
+    before = gloo_threads()
+    comm.close()  # this communicator owns the job's default group
+    return before, gloo_threads()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc to count threads")
+def test_close_tears_the_owned_groups_down_at_once() -> None:
+    """The gloo threads are gone when close() returns, not left running into interpreter exit."""
+    for before, after in distcomm.testing.spawn(_gloo_threads_after_close, 2, timeout=60):
+        assert before > 0
+        assert after == 0
