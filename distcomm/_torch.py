@@ -196,7 +196,7 @@ class _TorchCommunicator(Communicator):
         except Exception as e:
             self._fail(e, timeout)
 
-    def _slot_opts(self, timeout: float | None) -> Any:
+    def _alltoall_opts(self, timeout: float | None) -> Any:
         cached = self._opts_cache
         if cached is None or cached[0] != timeout:
             opts = _c10d().AllToAllOptions()
@@ -221,7 +221,7 @@ class _TorchCommunicator(Communicator):
         for r in range(self._world):
             send_view[r * size : (r + 1) * size] = slot
         try:
-            work = self._obj_group.alltoall_base(out, send, [], [], self._slot_opts(timeout))
+            work = self._obj_group.alltoall_base(out, send, [], [], self._alltoall_opts(timeout))
         except Exception as e:
             self._fail(e, timeout)
         self._wait([work], timeout)
@@ -243,7 +243,7 @@ class _TorchCommunicator(Communicator):
         timeout: float | None,
     ) -> None:
         try:
-            work = self._obj_group.alltoall_base(recv, send, recv_counts, send_counts, self._slot_opts(timeout))
+            work = self._obj_group.alltoall_base(recv, send, recv_counts, send_counts, self._alltoall_opts(timeout))
         except Exception as e:
             self._fail(e, timeout)
         self._wait([work], timeout)
