@@ -105,8 +105,7 @@ class _Plan:
     packed: dict[int, bool] = field(default_factory=dict)
     send_counts: list[int] = field(default_factory=list)  # bytes to / from each rank
     recv_counts: list[int] = field(default_factory=list)
-    # step 2 as one all-to-all: every received segment is a view of one buffer
-    alltoall: bool = False
+    # set when step 2 runs as one all-to-all: every received segment is a view of it
     recv_buf: torch.Tensor | None = None
 
 
@@ -651,10 +650,9 @@ class Communicator(abc.ABC):
             return []
 
         plan = self._plan(op, root, parts, slots)
-        if plan.alltoall:
+        if plan.recv_buf is not None:
             sends = [t for _, t in plan.sends]
             send = sends[0] if len(sends) == 1 else torch.cat(sends) if sends else torch.empty(0, dtype=torch.uint8)
-            assert plan.recv_buf is not None
             self._alltoallv(send, plan.send_counts, plan.recv_buf, plan.recv_counts, timeout)
         elif plan.sends or plan.recvs:
             self._exchange(plan.sends, plan.recvs, timeout)
@@ -769,6 +767,8 @@ class Communicator(abc.ABC):
         segments together, and the receiver's results share one buffer (which lives as long as any
         of them), so both are allowed up to ``_alltoall_copy_bytes``.
         """
+        if not any(s.later for s in slots):  # all came inline: the usual small collective
+            return False
         world, most, copy = self.world_size, self._alltoall_max_bytes, self._alltoall_copy_bytes
         sent, received = [0] * world, [0] * world
         sent_pieces, received_pieces = [0] * world, [0] * world
@@ -793,9 +793,7 @@ class Communicator(abc.ABC):
 
     def _plan(self, op: Op, root: int, parts: list[list[memoryview]], slots: list[_frame.Slot]) -> _Plan:
         me, world = self.rank, self.world_size
-        moving = any(s.later for s in slots)
-        plan = _Plan(alltoall=moving and self._alltoall_fits(op, root, slots),
-                     send_counts=[0] * world, recv_counts=[0] * world)
+        plan = _Plan(send_counts=[0] * world, recv_counts=[0] * world)
         # what I send: my segments that did not fit the slot, to each receiver of their part
         mine = slots[me].parts
         for dst in range(world) if slots[me].later else ():
@@ -825,7 +823,7 @@ class Communicator(abc.ABC):
                     plan.recv_counts[src] += size
             wanted.append((src, theirs[p]))
             plan.packed[src] = bool(slots[src].header.flags & _frame.PACKED)
-        if plan.alltoall:
+        if self._alltoall_fits(op, root, slots):
             plan.recv_buf = torch.empty(sum(plan.recv_counts), dtype=torch.uint8)
         offset = 0
         for src, entries in wanted:
