@@ -24,6 +24,7 @@ import abc
 import datetime
 import gc
 import hashlib
+import math
 import os
 import threading
 import time
@@ -109,6 +110,23 @@ class _Plan:
     recv_buf: torch.Tensor | None = None
 
 
+class _Slots:
+    """The slots of one exchange, decoded on first use: a rank decodes only the slots it reads."""
+
+    def __init__(self, raw: memoryview | bytes, size: int, me: int, mine: _frame.Slot | None) -> None:
+        self._raw, self._size = raw, size
+        self._done: dict[int, _frame.Slot] = {} if mine is None else {me: mine}
+
+    def __getitem__(self, r: int) -> _frame.Slot:
+        got = self._done.get(r)
+        if got is None:
+            try:
+                got = self._done[r] = _frame.decode(self._raw[r * self._size : (r + 1) * self._size])
+            except FrameError as e:
+                raise FrameError(f"slot from rank {r} is corrupt: {e}", ranks=[r]) from e
+        return got
+
+
 def _seconds(timeout: float | datetime.timedelta | None, default: float | None) -> float | None:
     if timeout is None:
         return default
@@ -116,9 +134,31 @@ def _seconds(timeout: float | datetime.timedelta | None, default: float | None) 
         timeout = timeout.total_seconds()
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
         raise TypeError(f"timeout must be seconds (float) or a timedelta, got {type(timeout).__name__}")
-    if timeout <= 0:
-        raise ValueError(f"timeout must be positive, got {timeout}")
+    if not math.isfinite(timeout) or timeout <= 0:
+        raise ValueError(f"timeout must be a positive, finite number of seconds (or None for no limit), got {timeout}")
     return float(timeout)
+
+
+def _owned_copy(view: memoryview) -> memoryview:
+    """A copy of ``view`` in fresh, aligned memory of its own."""
+    t = torch.empty(view.nbytes, dtype=torch.uint8)
+    out = memoryview(t.numpy())  # type: ignore[arg-type]
+    out[:] = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    return out
+
+
+def _is_aligned(view: memoryview) -> bool:
+    return view.nbytes == 0 or np.frombuffer(view, dtype=np.uint8).ctypes.data % _frame.ALIGN == 0
+
+
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 50
+
+
+_PHYSICAL_MEMORY = _physical_memory()
 
 
 def _byte_tensor(view: memoryview) -> torch.Tensor:
@@ -230,6 +270,7 @@ class Communicator(abc.ABC):
         self._closed = False
         self._broken: str | None = None
         self._stats: dict[str, OpStats] = {}
+        self._cur = OpStats()  # the counters of the collective in progress
         # communicators over other groups that the module helpers' group= argument asked for
         self._children: dict[Any, Communicator] = {}
 
@@ -283,10 +324,6 @@ class Communicator(abc.ABC):
         return f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size}, {state})"
 
     # ------------------------------------------------------------------ transport primitives
-    @abc.abstractmethod
-    def _allgather_slots(self, slot: bytearray, timeout: float | None) -> memoryview:
-        """All-gather one slot of ``slot_bytes`` bytes from every rank: their bytes in rank order, flat."""
-
     @abc.abstractmethod
     def _exchange(
         self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]], timeout: float | None
@@ -367,6 +404,22 @@ class Communicator(abc.ABC):
             raise TypeError(f"{name} must be an int rank, got {type(root).__name__}")
         if not 0 <= root < self.world_size:
             raise ValueError(f"{name}={root} is out of range for world_size {self.world_size}")
+
+    def _settings(self) -> dict[str, Any]:
+        """The settings every rank of a communicator must share."""
+        return {"slot_bytes": self.slot_bytes, "max_bytes": self.max_bytes,
+                "serializer": type(self.serializer).__name__}
+
+    def _check_settings(self, everyone: list[dict[str, Any]]) -> None:
+        """Raise the same error on every rank when the ranks' settings differ."""
+        for name in everyone[0]:
+            values = [s.get(name) for s in everyone]
+            if len(set(map(repr, values))) > 1:
+                rows = "\n".join(f"  rank {r}: {name}={v!r}" for r, v in enumerate(values))
+                raise CollectiveMismatchError(
+                    f"the ranks created their communicators with different {name}; every rank must pass "
+                    f"the same:\n{rows}", op="setup",
+                    ranks=[r for r, v in enumerate(values) if repr(v) != repr(values[0])])
 
     def _stat(self, op: Op) -> OpStats:
         st = self._stats.get(op.label)
@@ -522,6 +575,9 @@ class Communicator(abc.ABC):
             work = values.to(self.device) if values.device != self.device else values.clone()
             st = self._stat(op)
             t0 = time.perf_counter()
+            # what a ring reduction moves per rank: 2 (world - 1) / world of the values, each way
+            moved = 2 * (self.world_size - 1) * work.numel() * work.element_size() // self.world_size
+            self._count(moved, moved)
             self._reduce_tensor(work, dst, t)
             st.transfer_s += time.perf_counter() - t0
             if dst is not None and self.rank != dst:
@@ -558,6 +614,11 @@ class Communicator(abc.ABC):
         )
 
     # ------------------------------------------------------------------ the pipeline
+    @property
+    def _slot_size(self) -> int:
+        """The first exchange's slot: ``slot_bytes`` in small worlds, a bare header slot beyond."""
+        return self.slot_bytes if self.world_size <= _frame.SMALL_WORLD else _frame.HEADER_SLOT
+
     def _serialize_local(
         self, op: Op, root: int, obj: Any, rank: int | None = None
     ) -> tuple[list[list[memoryview]], int, str]:
@@ -577,20 +638,18 @@ class Communicator(abc.ABC):
             return [], _frame.SERIALIZE_FAILED, f"{type(e).__name__}: {e}"
 
     def _build_slot(
-        self, op: Op, seq: int, root: int, digest: int, parts: list[list[memoryview]]
+        self, op: Op, seq: int, root: int, digest: int, parts: list[list[memoryview]], size: int
     ) -> tuple[bytearray, list[list[memoryview]]]:
         """The slot, and the parts as they travel (each packed into one segment if the table overflows)."""
         try:
-            return _frame.encode(op, seq, root, digest, parts, self.slot_bytes), parts
+            return _frame.encode(op, seq, root, digest, parts, size), parts
         except ValueError:  # the segment table doesn't fit: one packed segment per part
             packed = [[memoryview(_frame.pack(p))] for p in parts]
         try:
-            return _frame.encode(op, seq, root, digest, packed, self.slot_bytes, flags=_frame.PACKED), packed
+            return _frame.encode(op, seq, root, digest, packed, size, flags=_frame.PACKED), packed
         except ValueError:
-            return _frame.encode_status(
-                _frame.INVALID, op, seq, root,
-                f"{len(parts)} parts don't fit a slot of {self.slot_bytes} bytes; raise slot_bytes",
-                self.slot_bytes), []
+            message = f"{len(parts)} parts don't fit a slot of {size} bytes"
+            return _frame.encode_status(_frame.INVALID, op, seq, root, message, size), []
 
     def _run(
         self,
@@ -603,13 +662,12 @@ class Communicator(abc.ABC):
         digest: int = 0,
         invalid: str | None = None,
         on_digest_mismatch: Callable[[], None] | None = None,
+        slot_size: int | None = None,
     ) -> list[Any]:
         """Run one collective; returns a list indexed by rank (entries this rank did not get: None)."""
-        self._seq += 1
-        seq = self._seq
         st = self._stat(op)
-        st.calls += 1
         t0 = time.perf_counter()
+        size = self._slot_size if slot_size is None else slot_size
         parts: list[list[memoryview]] = []
         status, message = _frame.OK, ""
         if invalid is not None:
@@ -620,44 +678,64 @@ class Communicator(abc.ABC):
                 total = sum(s.nbytes for p in parts for s in p)
                 if total > self.max_bytes:
                     status, message = _frame.TOO_LARGE, f"payload of {total} bytes is over max_bytes={self.max_bytes}"
-        if status == _frame.OK:
-            slot, parts = self._build_slot(op, seq, root, digest, parts)
+        # Counted only now: an interrupt while pickling (KeyboardInterrupt) leaves this rank as if it
+        # had never called, instead of one call ahead of its peers.
+        self._seq += 1
+        seq = self._seq
+        st.calls += 1
+        self._cur = st
+        subs: list[bytearray] = []
+        tables: list[list[tuple[int, memoryview | None]]] = []  # how each of my parts travels
+        if status == _frame.OK and op is _SCATTER and self.rank == root:
+            # each receiver gets a slot of its own part: nobody receives a table of every part
+            built = [self._build_slot(op, seq, root, digest, [p], size) for p in parts]
+            subs, parts = [s for s, _ in built], [p[0] for _, p in built]
+            decoded = [_frame.decode(s) for s in subs]
+            bad = next((d.message for d in decoded if d.header.status), None)
+            if bad is not None:
+                status, message = _frame.INVALID, bad
+            tables = [d.parts[0] if d.parts else [] for d in decoded]
+        if status != _frame.OK:
+            slot = _frame.encode_status(status, op, seq, root, message, size)
+        elif op is _SCATTER:
+            slot = _frame.encode(op, seq, root, digest, [], size)
         else:
-            slot = _frame.encode_status(status, op, seq, root, message, self.slot_bytes)
+            slot, parts = self._build_slot(op, seq, root, digest, parts, size)
         mine = _frame.decode(slot)  # before the exchange: the code after it runs on a cold cache
+        if op is not _SCATTER:
+            tables = mine.parts
         t1 = time.perf_counter()
         st.serialize_s += t1 - t0
 
-        raw = self._allgather_slots(slot, timeout)
-        st.bytes_sent += self.slot_bytes
-        st.bytes_received += self.slot_bytes * (self.world_size - 1)
-        size = self.slot_bytes
-        slots = []
-        for r in range(self.world_size):
-            if r == self.rank:
-                slots.append(mine)
-                continue
-            try:
-                slots.append(_frame.decode(raw[r * size : (r + 1) * size]))
-            except FrameError as e:
-                raise FrameError(f"{op.label} #{seq}: slot from rank {r} is corrupt: {e}",
-                                 op=op.label, ranks=[r]) from e
-        self._agree(op, seq, root, slots)
-        if on_digest_mismatch is not None and len({s.header.digest for s in slots}) > 1:
+        raw = self._allgather_slots(slot, size, timeout)
+        try:
+            heads = _frame.headers(raw, self.world_size, size)
+        except FrameError as e:
+            raise FrameError(f"{op.label} #{seq}: a slot is corrupt: {e}", op=op.label) from e
+        slots = _Slots(raw, size, self.rank, mine)
+        self._agree(op, seq, root, heads, slots, message, timeout)
+        if on_digest_mismatch is not None and (heads["digest"] != heads["digest"][0]).any():
             on_digest_mismatch()
         if not serialize:
             st.transfer_s += time.perf_counter() - t1
             return []
 
-        plan = self._plan(op, root, parts, slots)
-        if plan.recv_buf is not None:
-            sends = [t for _, t in plan.sends]
-            send = sends[0] if len(sends) == 1 else torch.cat(sends) if sends else torch.empty(0, dtype=torch.uint8)
-            self._alltoallv(send, plan.send_counts, plan.recv_buf, plan.recv_counts, timeout)
-        elif plan.sends or plan.recvs:
-            self._exchange(plan.sends, plan.recvs, timeout)
-        st.bytes_sent += sum(plan.send_counts)
-        st.bytes_received += sum(plan.recv_counts)
+        if op is _BROADCAST:
+            got = self._tree_broadcast(root, slots[root], parts, timeout)
+            incoming = {root: got} if self.rank != root else {}
+            packed = {root: bool(slots[root].header.flags & _frame.PACKED)}
+        else:
+            if op is _SCATTER:
+                slots = self._deliver_scatter_slots(op, seq, root, subs, size, timeout)
+            plan = self._plan(op, root, parts, tables, slots)
+            if plan.recv_buf is not None:
+                sends = [t for _, t in plan.sends]
+                send = sends[0] if len(sends) == 1 else torch.cat(sends) if sends else torch.empty(0, dtype=torch.uint8)
+                self._count(sum(plan.send_counts), sum(plan.recv_counts))
+                self._alltoallv(send, plan.send_counts, plan.recv_buf, plan.recv_counts, timeout)
+            elif plan.sends or plan.recvs:
+                self._xchg(plan.sends, plan.recvs, timeout)
+            incoming, packed = plan.incoming, plan.packed
         t2 = time.perf_counter()
         st.transfer_s += t2 - t1
 
@@ -668,32 +746,161 @@ class Communicator(abc.ABC):
             results[self.rank] = obj
         token = _CUDA_TARGET.set(self._cuda_target)
         try:
-            if sum(plan.recv_counts) >= _GC_PAUSE_BYTES:
+            received = sum(s.nbytes if isinstance(s, memoryview) else s.numel() for v in incoming.values() for s in v)
+            if received >= _GC_PAUSE_BYTES:
                 with _GCPause():
-                    self._load_all(op, seq, plan, results)
+                    self._load_all(op, seq, incoming, packed, results)
             else:
-                self._load_all(op, seq, plan, results)
+                self._load_all(op, seq, incoming, packed, results)
         finally:
             _CUDA_TARGET.reset(token)
         st.deserialize_s += time.perf_counter() - t2
         return results
 
-    def _load_all(self, op: Op, seq: int, plan: _Plan, results: list[Any]) -> None:
-        for src, segs in plan.incoming.items():
-            results[self.rank if op is _SCATTER else src] = self._load(op, seq, src, segs, plan.packed[src])
+    # ------------------------------------------------------------------ moving bytes, counted
+    def _count(self, sent: int, received: int) -> None:
+        st = self._cur
+        st.bytes_sent += sent
+        st.bytes_received += received
+
+    def _xchg(
+        self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]], timeout: float | None
+    ) -> None:
+        """``_exchange``, with what it moves added to this op's counters."""
+        self._count(sum(t.numel() for _, t in sends), sum(t.numel() for _, t in recvs))
+        self._exchange(sends, recvs, timeout)
+
+    def _allgather_slots(self, slot: bytearray, size: int, timeout: float | None) -> memoryview:
+        """Every rank's slot of ``size`` bytes, in rank order, flat.
+
+        Small worlds use the transport's one-step exchange (``_allgather_small``). Larger ones run
+        Bruck's all-gather over point to point: ceil(log2(world)) rounds, in round k each rank sends
+        the slots it holds to rank - k and receives as many from rank + k. Every rank sends and
+        receives (world - 1) slots in log2(world) messages, where an all-to-all takes world - 1.
+        """
+        world, me = self.world_size, self.rank
+        if world <= _frame.SMALL_WORLD:
+            self._count(size * (world - 1), size * (world - 1))
+            return self._allgather_small(slot, size, timeout)
+        buf = torch.empty(world * size, dtype=torch.uint8)  # block j holds rank (me + j) % world
+        view = memoryview(buf.numpy())  # type: ignore[arg-type]
+        view[:size] = slot
+        have = 1
+        while have < world:
+            n = min(have, world - have)
+            self._xchg([((me - have) % world, buf[: n * size])],
+                       [((me + have) % world, buf[have * size : (have + n) * size])], timeout)
+            have += n
+        first = (world - me) % world * size  # where rank 0's slot is
+        return memoryview(bytes(view[first:]) + bytes(view[:first]))
+
+    def _allgather_small(self, slot: bytearray, size: int, timeout: float | None) -> memoryview:
+        """The small-world slot exchange; this default sends the slot to every peer point to point."""
+        world, me = self.world_size, self.rank
+        out = torch.empty(world * size, dtype=torch.uint8)
+        view = memoryview(out.numpy())  # type: ignore[arg-type]
+        view[me * size : (me + 1) * size] = slot
+        mine = torch.frombuffer(bytearray(slot), dtype=torch.uint8)
+        peers = [r for r in range(world) if r != me]
+        self._exchange([(r, mine) for r in peers], [(r, out[r * size : (r + 1) * size]) for r in peers], timeout)
+        return view
+
+    def _deliver_scatter_slots(
+        self, op: Op, seq: int, root: int, subs: list[bytearray], size: int, timeout: float | None
+    ) -> _Slots:
+        """Scatter's second exchange: the root sends each rank the slot of its own part only."""
+        me = self.rank
+        if me == root:
+            self._xchg([(r, torch.frombuffer(s, dtype=torch.uint8)) for r, s in enumerate(subs) if r != root],
+                       [], timeout)
+            return _Slots(b"", size, 0, None)
+        buf = torch.empty(size, dtype=torch.uint8)
+        self._xchg([], [(root, buf)], timeout)
+        try:
+            sub = _frame.decode(memoryview(buf.numpy()))  # type: ignore[arg-type]
+        except FrameError as e:
+            raise FrameError(f"{op.label} #{seq}: the slot of this rank's part from rank {root} is corrupt: {e}",
+                             op=op.label, ranks=[root]) from e
+        if (sub.header.op, sub.header.seq, sub.header.root, sub.header.status) != (op, seq, root, _frame.OK):
+            raise FrameError(f"{op.label} #{seq}: rank {root} sent a slot for another call", op=op.label,
+                             ranks=[root])
+        return _Slots(b"", size, 0, sub)
+
+    _TREE_CHUNK = 1 << 20
+    _TREE_MAX_CHUNKS = 16
+
+    def _tree_broadcast(
+        self, root: int, slot: _frame.Slot, parts: list[list[memoryview]], timeout: float | None
+    ) -> list[memoryview | torch.Tensor]:
+        """Move the root's segments that didn't fit its slot down a binary tree, in pipelined chunks.
+
+        Ranks are numbered from the root (v = rank - root); v's parent is (v - 1) // 2 and its
+        children 2v + 1 and 2v + 2. Each rank receives every byte once and sends it to at most two
+        children, so the root sends at most twice the payload at any world size, and a chunk is
+        forwarded while the next one arrives. Returns this rank's segments (receivers: inline views
+        and exact-size received buffers).
+        """
+        world, me = self.world_size, self.rank
+        if not slot.parts:
+            raise FrameError(f"broadcast: rank {root} sent no parts", op="broadcast", ranks=[root])
+        entries = slot.parts[0]
+        v = (me - root) % world
+        parent = None if v == 0 else ((v - 1) // 2 + root) % world
+        children = [(c + root) % world for c in (2 * v + 1, 2 * v + 2) if c < world]
+        segs: list[memoryview | torch.Tensor] = []
+        bufs: list[torch.Tensor] = []
+        for i, (n, inline) in enumerate(entries):
+            if inline is not None:
+                segs.append(inline)
+            elif parent is None:
+                bufs.append(_byte_tensor(parts[0][i]))
+            else:
+                self._check_receivable(n, root, "broadcast")
+                buf = torch.empty(n, dtype=torch.uint8)
+                segs.append(buf)
+                bufs.append(buf)
+        total = sum(b.numel() for b in bufs)
+        if not total:
+            return segs
+        step = max(self._TREE_CHUNK, _frame.aligned(-(-total // self._TREE_MAX_CHUNKS)))
+        chunks = [b[i : i + step] for b in bufs for i in range(0, b.numel(), step)]
+        for i in range(len(chunks) + 1):  # receive chunk i while chunk i - 1 goes on to the children
+            sends = [(c, chunks[i - 1]) for c in children] if i else []
+            recvs = [(parent, chunks[i])] if parent is not None and i < len(chunks) else []
+            if sends or recvs:
+                self._xchg(sends, recvs, timeout)
+        return segs
+
+    def _check_receivable(self, size: int, src: int, label: str) -> None:
+        """Refuse, before allocating, a segment larger than this machine's memory.
+
+        Only this receiver makes this check (machines differ), so refusing leaves its peers in
+        step 2: the communicator is marked broken. Sizes over ``max_bytes``, which every rank
+        shares, are refused alike on every rank by ``_agree``.
+        """
+        if size > _PHYSICAL_MEMORY:
+            why = f"rank {src} announced a segment of {size} bytes, more than this machine's memory"
+            self._mark_broken(why)
+            raise PayloadTooLargeError(why, op=label, ranks=[src])
+
+    def _load_all(self, op: Op, seq: int, incoming: dict[int, list[memoryview | torch.Tensor]],
+                  packed: dict[int, bool], results: list[Any]) -> None:
+        for src, segs in incoming.items():
+            results[self.rank if op is _SCATTER else src] = self._load(op, seq, src, segs, packed[src])
 
     def _load(self, op: Op, seq: int, src: int, segs: list[memoryview | torch.Tensor], packed: bool) -> Any:
         """Deserialize one rank's segments (inline views or received tensors)."""
-        # Out-of-band buffers become the results' memory: those that came inline in the slot
-        # are copied out of it (the slot buffer is the transport's, and may be read-only).
+        # Out-of-band buffers become the results' memory: those that came inline in the slot are
+        # copied out of it (the slot buffer is the transport's, and may be read-only), into aligned memory.
+        # Buffers that landed at an unaligned offset of a shared receive buffer are copied too (an
+        # all-to-all lands them back to back): every out-of-band buffer starts at a multiple of 64.
         views = [s if isinstance(s, memoryview) else memoryview(s.numpy()) for s in segs]  # type: ignore[arg-type]
         if packed:
             inline = isinstance(segs[0], memoryview)
             views = _frame.unpack(views[0])
-            if inline:
-                views[1:] = [memoryview(bytearray(v)) for v in views[1:]]
+            views[1:] = [_owned_copy(v) if inline or not _is_aligned(v) else v for v in views[1:]]
         else:
-            views[1:] = [memoryview(bytearray(v)) if isinstance(s, memoryview) else v
+            views[1:] = [_owned_copy(v) if isinstance(s, memoryview) or not _is_aligned(v) else v
                          for v, s in zip(views[1:], segs[1:], strict=True)]
         try:
             return self.serializer.loads(views)
@@ -716,24 +923,36 @@ class Communicator(abc.ABC):
             return torch.device("cuda", torch.cuda.current_device())
         return None
 
-    def _agree(self, op: Op, seq: int, root: int, slots: list[_frame.Slot]) -> None:
-        """Raise the same error on every rank when ranks disagree or any rank failed."""
-        calls = {(s.header.op, s.header.seq, s.header.root) for s in slots}
-        if len(calls) > 1:
+    def _agree(self, op: Op, seq: int, root: int, heads: Any, slots: _Slots, message: str,
+               timeout: float | None) -> None:
+        """Raise the same error on every rank when ranks disagree or any rank failed.
+
+        The common case is a few comparisons over the header array; rows are built for errors only.
+        """
+        same = (heads["op"] == op) & (heads["seq"] == seq) & (heads["root"] == root)
+        if not same.all():
             rows = []
-            for r, s in enumerate(slots):
-                name = Op(s.header.op).label if s.header.op in Op._value2member_map_ else f"op {s.header.op}"
-                where = f" root={s.header.root}" if s.header.root >= 0 else ""
-                rows.append(f"  rank {r}: {name}{where} (call #{s.header.seq})")
-            mine = (op, seq, root)
-            odd = [r for r, s in enumerate(slots) if (s.header.op, s.header.seq, s.header.root) != mine]
+            for r, (hop, hseq, hroot) in enumerate(zip(heads["op"].tolist(), heads["seq"].tolist(),
+                                                       heads["root"].tolist(), strict=True)):
+                name = Op(hop).label if hop in Op._value2member_map_ else f"op {hop}"
+                where = f" root={hroot}" if hroot >= 0 else ""
+                rows.append(f"  rank {r}: {name}{where} (call #{hseq})")
+            odd = np.flatnonzero(~same).tolist()
             raise CollectiveMismatchError(
                 "ranks called different collectives:\n" + "\n".join(rows), op=op.label, ranks=odd
             )
-        failed = [(r, s) for r, s in enumerate(slots) if s.header.status != _frame.OK]
-        if not failed:
+        bad = heads["status"] != _frame.OK
+        if not bad.any():
+            if self.max_bytes is not None:  # a peer that skipped its own check: refused alike everywhere
+                over = np.flatnonzero(heads["total"] > self.max_bytes).tolist()
+                if over:
+                    raise PayloadTooLargeError(
+                        f"{op.label} #{seq}: rank{'s' if len(over) > 1 else ''} {', '.join(map(str, over))} "
+                        f"announced payloads over max_bytes={self.max_bytes}", op=op.label, ranks=over)
             return
-        lines = "\n".join(f"  rank {r}: {s.message}" for r, s in failed)
+        failed = [(r, slots[r]) for r in np.flatnonzero(bad).tolist()]
+        texts = self._full_messages(failed, message, timeout)
+        lines = "\n".join(f"  rank {r}: {texts[r]}" for r, _ in failed)
         ranks = [r for r, _ in failed]
         statuses = {s.header.status for _, s in failed}
         what = f"{op.label} #{seq} failed on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}:\n{lines}"
@@ -743,87 +962,95 @@ class Communicator(abc.ABC):
             raise SerializationError(what, op=op.label, ranks=ranks)
         raise CollectiveError(what, op=op.label, ranks=ranks)
 
-    @staticmethod
-    def _route(op: Op, root: int, src: int, dst: int) -> int | None:
-        """The index of the part that rank ``src`` sends to rank ``dst`` in ``op``, or None."""
-        if src == dst:
-            return None
-        if op is _ALL_GATHER or op is _KEYS or op is _SETUP:
-            return 0
-        if op is _GATHER:
-            return 0 if dst == root else None
-        if op is _BROADCAST:
-            return 0 if src == root else None
-        if op is _SCATTER:
-            return dst if src == root else None
-        return None
+    def _full_messages(self, failed: list[tuple[int, _frame.Slot]], message: str,
+                       timeout: float | None) -> dict[int, str]:
+        """The failed ranks' messages; those cut short by the slot are sent whole, to every rank."""
+        texts = {r: s.message for r, s in failed}
+        cut = [(r, s) for r, s in failed if s.later]
+        if not cut:
+            return texts
+        me = self.rank
+        sends = []
+        if any(r == me for r, _ in cut):
+            raw = torch.frombuffer(bytearray(_frame.message_bytes(message)), dtype=torch.uint8)
+            sends = [(r, raw) for r in range(self.world_size) if r != me]
+        recvs = [(r, torch.empty(s.header.total, dtype=torch.uint8)) for r, s in cut if r != me]
+        self._xchg(sends, recvs, timeout)
+        for r, buf in recvs:
+            texts[r] = bytes(buf.numpy()).decode("utf-8", "replace")
+        if any(r == me for r, _ in cut):
+            texts[me] = _frame.message_bytes(message).decode("utf-8", "replace")
+        return texts
 
-    def _alltoall_fits(self, op: Op, root: int, slots: list[_frame.Slot]) -> bool:
+    def _alltoall_fits(self, op: Op, root: int, slots: _Slots) -> bool:
         """Whether step 2 runs as one all-to-all (False too when nothing travels after the slots).
 
-        Decided from the slots alone, so every rank decides the same. An all-to-all takes each
-        rank's sends from one buffer and lands its receives in one buffer: free when a rank sends
-        or receives one segment (the usual case with two ranks); otherwise the sender copies its
-        segments together, and the receiver's results share one buffer (which lives as long as any
-        of them), so both are allowed up to ``_alltoall_copy_bytes``.
+        Decided from the slots alone, in closed form per op, so every rank decides the same in
+        O(world). An all-to-all takes each rank's sends from one buffer and lands its receives in
+        one buffer: free when a rank sends or receives one segment (the usual case with two ranks);
+        otherwise the sender copies its segments together, and the receiver's results share one
+        buffer (which lives as long as any of them), so both are allowed up to
+        ``_alltoall_copy_bytes``. Beyond small worlds only ops where every rank sends to every rank
+        (all_gather) use it: a gather's all-to-all would post world x world empty messages.
         """
-        if not any(s.later for s in slots):  # all came inline: the usual small collective
+        world = self.world_size
+        dense = op is _ALL_GATHER or op is _KEYS or op is _SETUP
+        if not (dense or op is _GATHER) or (not dense and world > _frame.SMALL_WORLD):
             return False
-        world, most, copy = self.world_size, self._alltoall_max_bytes, self._alltoall_copy_bytes
-        sent, received = [0] * world, [0] * world
-        sent_pieces, received_pieces = [0] * world, [0] * world
-        for src in range(world):
-            theirs = slots[src].parts
-            for dst in range(world):
-                p = self._route(op, root, src, dst)
-                if p is None or p >= len(theirs):
-                    continue
-                for size, inline in theirs[p]:
-                    if inline is None and size:
-                        sent[src] += size
-                        received[dst] += size
-                        sent_pieces[src] += 1
-                        received_pieces[dst] += 1
-        if not any(sent_pieces):
+        later = [slots[r].later for r in range(world)]
+        pieces = [slots[r].later_segs for r in range(world)]
+        total, total_pieces = sum(later), sum(pieces)
+        if not total:
             return False
-        return all(
-            nbytes <= most and (pieces <= 1 or nbytes <= copy)
-            for nbytes, pieces in zip(sent + received, sent_pieces + received_pieces, strict=True)
-        )
+        most, copy = self._alltoall_max_bytes, self._alltoall_copy_bytes
 
-    def _plan(self, op: Op, root: int, parts: list[list[memoryview]], slots: list[_frame.Slot]) -> _Plan:
+        def ok(nbytes: int, n: int) -> bool:
+            return nbytes <= most and (n <= 1 or nbytes <= copy)
+
+        if dense:
+            return all(ok(later[r] * (world - 1), pieces[r] * (world - 1))
+                       and ok(total - later[r], total_pieces - pieces[r]) for r in range(world))
+        return all(ok(later[r], pieces[r]) for r in range(world) if r != root) and ok(
+            total - later[root], total_pieces - pieces[root])
+
+    def _plan(self, op: Op, root: int, parts: list[list[memoryview]],
+              tables: list[list[tuple[int, memoryview | None]]], slots: _Slots) -> _Plan:
+        """Step 2 for the ops whose parts go straight from their sender to their receivers.
+
+        all_gather (and set-up): everyone sends part 0 to everyone. gather: to the root. scatter:
+        the root sends part r to rank r, and ``slots`` holds only the root's slot for this rank.
+        """
         me, world = self.rank, self.world_size
         plan = _Plan(send_counts=[0] * world, recv_counts=[0] * world)
+        if op is _SCATTER:
+            receivers = [(r, r) for r in range(world) if r != root] if me == root else []
+            sources = [] if me == root else [(root, slots[0], 0)]
+        elif op is _GATHER:
+            receivers = [] if me == root else [(root, 0)]
+            sources = [(r, slots[r], 0) for r in range(world) if r != me] if me == root else []
+        else:
+            receivers = [(r, 0) for r in range(world) if r != me]
+            sources = [(r, slots[r], 0) for r in range(world) if r != me]
         # what I send: my segments that did not fit the slot, to each receiver of their part
-        mine = slots[me].parts
-        for dst in range(world) if slots[me].later else ():
-            sent = self._route(op, root, me, dst)
-            if sent is None:
-                continue
-            for (size, inline), seg in zip(mine[sent], parts[sent], strict=True):
+        for dst, p in receivers:
+            for (size, inline), seg in zip(tables[p], parts[p], strict=True):
                 if inline is None and size:
                     plan.sends.append((dst, _byte_tensor(seg)))
                     plan.send_counts[dst] += size
         # what I receive: each source's part meant for me, into exact-size buffers (with an
-        # all-to-all: views of one buffer, each source's segments in turn)
-        wanted: list[tuple[int, list[tuple[int, memoryview | None]]]] = []
-        for src in range(world):
-            p = self._route(op, root, src, me)
-            if p is None:
-                continue
-            theirs = slots[src].parts
+        # all-to-all: views of one buffer, each source's segments in turn, each at an aligned offset)
+        wanted = []
+        for src, slot, p in sources:
+            theirs = slot.parts
             if p >= len(theirs):
                 raise FrameError(f"rank {src} sent {len(theirs)} parts, part {p} missing", op=op.label, ranks=[src])
             for size, inline in theirs[p]:
                 if inline is None:
-                    if self.max_bytes is not None and size > self.max_bytes:
-                        raise PayloadTooLargeError(
-                            f"rank {src} announced {size} bytes, over max_bytes={self.max_bytes}",
-                            op=op.label, ranks=[src])
+                    self._check_receivable(size, src, op.label)
                     plan.recv_counts[src] += size
             wanted.append((src, theirs[p]))
-            plan.packed[src] = bool(slots[src].header.flags & _frame.PACKED)
-        if self._alltoall_fits(op, root, slots):
+            plan.packed[src] = bool(slot.header.flags & _frame.PACKED)
+        if op is not _SCATTER and self._alltoall_fits(op, root, slots):
             plan.recv_buf = torch.empty(sum(plan.recv_counts), dtype=torch.uint8)
         offset = 0
         for src, entries in wanted:

@@ -15,7 +15,8 @@ Layout (little-endian)::
     | nsegs x i64 entry: size >= 0 travels later; -(size + 1) is inline
     | inline bytes, in segment order
 
-With a non-OK status the header is followed by a UTF-8 message of ``total`` bytes.
+With a non-OK status the header is followed by a UTF-8 message of ``total`` bytes, as much of it
+as fits; the rest travels after the slots (``Slot.later``), on the error path only.
 
 Everything here is a pure function over bytes, so it can be fuzzed: any input gives either a
 decoded slot or a ``FrameError``.
@@ -27,7 +28,9 @@ import functools
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
+
+import numpy as np
 
 from ._errors import FrameError
 
@@ -36,6 +39,12 @@ VERSION = 1
 HEADER = struct.Struct("<4sBBBBqiIIQq")
 HEADER_SIZE = HEADER.size
 MIN_SLOT = 256
+HEADER_SLOT = 64
+"""The slot of worlds over SMALL_WORLD ranks (and of set-up): a header and a one- or two-segment table."""
+SMALL_WORLD = 4
+"""Worlds of up to this many ranks use the full ``slot_bytes`` slot (small objects finish in one exchange)."""
+ALIGN = 64
+"""Out-of-band buffers a receiver gets start at a multiple of this many bytes."""
 
 # statuses
 OK = 0
@@ -43,6 +52,8 @@ SERIALIZE_FAILED = 1  # that rank could not serialize its object; message follow
 TOO_LARGE = 2  # that rank's payload is over max_bytes; message follows
 INVALID = 3  # that rank's input was rejected (wrong scatter length, bad dict value); message follows
 STATUS_NAMES = {OK: "ok", SERIALIZE_FAILED: "serialize failed", TOO_LARGE: "too large", INVALID: "invalid"}
+MAX_MESSAGE = 1 << 16
+"""Error messages are cut to this many bytes of UTF-8."""
 
 # flags
 PACKED = 1
@@ -68,7 +79,8 @@ class Slot:
     header: Header
     parts: list[list[tuple[int, memoryview | None]]] = field(default_factory=list)
     message: str = ""
-    later: int = 0  # bytes of the segments that travel after the slots
+    later: int = 0  # bytes of the segments (or of the message) that travel after the slots
+    later_segs: int = 0  # how many segments travel after the slots
 
 
 def table_size(part_lengths: Sequence[int]) -> int:
@@ -118,12 +130,18 @@ def encode(
     return out
 
 
+def message_bytes(message: str) -> bytes:
+    """A status message as it travels: UTF-8, at most MAX_MESSAGE bytes."""
+    return message.encode("utf-8", "replace")[:MAX_MESSAGE]
+
+
 def encode_status(status: int, op: int, seq: int, root: int, message: str, slot_size: int) -> bytearray:
-    """Encode a slot that reports a failure on this rank, with a (possibly truncated) message."""
-    raw = message.encode("utf-8", "replace")[: slot_size - HEADER_SIZE]
+    """Encode a slot that reports a failure on this rank: the message's length, and as much of it as fits."""
+    raw = message_bytes(message)
     out = bytearray(slot_size)
     HEADER.pack_into(out, 0, MAGIC, VERSION, status, op, 0, seq, root, 0, 0, 0, len(raw))
-    out[HEADER_SIZE : HEADER_SIZE + len(raw)] = raw
+    inline = raw[: slot_size - HEADER_SIZE]
+    out[HEADER_SIZE : HEADER_SIZE + len(inline)] = inline
     return out
 
 
@@ -144,10 +162,11 @@ def decode(buf: memoryview | bytes | bytearray) -> Slot:
         raise FrameError(f"negative total size {total}")
     header = Header(status, op, flags, seq, root, digest, total)
     if status != OK:
-        if total > n - HEADER_SIZE:
-            raise FrameError("error message runs past the end of the slot")
-        msg = bytes(mv[HEADER_SIZE : HEADER_SIZE + total]).decode("utf-8", "replace")
-        return Slot(header, [], msg)
+        if total > MAX_MESSAGE:
+            raise FrameError(f"error message of {total} bytes is over {MAX_MESSAGE}")
+        here = min(total, n - HEADER_SIZE)
+        msg = bytes(mv[HEADER_SIZE : HEADER_SIZE + here]).decode("utf-8", "replace")
+        return Slot(header, [], msg, total - here)
     if HEADER_SIZE + 4 * nparts + 8 * nsegs > n:
         raise FrameError(f"segment table ({nparts} parts, {nsegs} segments) runs past the slot")
     table = _table_struct(nparts, nsegs).unpack_from(mv, HEADER_SIZE)
@@ -155,7 +174,7 @@ def decode(buf: memoryview | bytes | bytearray) -> Slot:
     if sum(counts) != nsegs:
         raise FrameError(f"part counts add up to {sum(counts)}, header says {nsegs} segments")
     data = HEADER_SIZE + 4 * nparts + 8 * nsegs
-    seen = later = 0
+    seen = later = later_segs = 0
     parts: list[list[tuple[int, memoryview | None]]] = []
     i = 0
     for c in counts:
@@ -165,6 +184,7 @@ def decode(buf: memoryview | bytes | bytearray) -> Slot:
                 part.append((e, None))
                 seen += e
                 later += e
+                later_segs += 1
             else:
                 size = -e - 1
                 if data + size > n:
@@ -176,7 +196,33 @@ def decode(buf: memoryview | bytes | bytearray) -> Slot:
         parts.append(part)
     if seen != total:
         raise FrameError(f"segments add up to {seen} bytes, header says {total}")
-    return Slot(header, parts, "", later)
+    return Slot(header, parts, "", later, later_segs)
+
+
+_HEADER_FIELDS = ["magic", "version", "status", "op", "flags", "seq", "root", "nparts", "nsegs", "digest", "total"]
+_HEADER_FORMATS = ["S4", "u1", "u1", "u1", "u1", "<i8", "<i4", "<u4", "<u4", "<u8", "<i8"]
+
+
+@functools.lru_cache(maxsize=64)
+def _header_dtype(slot_size: int) -> np.dtype[Any]:
+    offsets = [0, 4, 5, 6, 7, 8, 16, 20, 24, 28, 36]
+    return np.dtype({"names": _HEADER_FIELDS, "formats": _HEADER_FORMATS, "offsets": offsets,
+                     "itemsize": slot_size})
+
+
+def headers(raw: memoryview | bytes | bytearray, count: int, slot_size: int) -> np.ndarray[Any, Any]:
+    """The headers of ``count`` slots laid back to back, as one structured array (fields as in
+    ``Header``), checked alike: a rank's whole view of its peers in one pass of C, not ``count``
+    Python decodes. Raises FrameError naming the first slot that is not a well-formed header.
+    """
+    arr = np.frombuffer(raw, dtype=_header_dtype(slot_size), count=count)
+    bad = ((arr["magic"] != MAGIC) | (arr["version"] != VERSION) | (arr["status"] > INVALID)
+           | (arr["total"] < 0))
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        decode(memoryview(raw)[i * slot_size : (i + 1) * slot_size])  # raises the precise FrameError
+        raise FrameError(f"slot {i} has a malformed header")
+    return arr
 
 
 @functools.lru_cache(maxsize=256)
@@ -184,17 +230,33 @@ def _table_struct(nparts: int, nsegs: int) -> struct.Struct:
     return struct.Struct(f"<{nparts}I{nsegs}q")
 
 
+def aligned(n: int) -> int:
+    """``n`` rounded up to a multiple of ALIGN."""
+    return -(-n // ALIGN) * ALIGN
+
+
+def _packed_offsets(sizes: Sequence[int]) -> tuple[list[int], int]:
+    """Where each segment of a packed buffer starts (each at a multiple of ALIGN), and the total size."""
+    offsets, pos = [], aligned(4 + 8 * len(sizes))
+    for n in sizes:
+        offsets.append(pos)
+        pos = aligned(pos + n)
+    return offsets, (pos if sizes else 4)
+
+
 def pack(segments: Sequence[memoryview]) -> bytearray:
-    """Concatenate segments into one buffer with their sizes in front (count u32, sizes i64)."""
-    head = 4 + 8 * len(segments)
-    out = bytearray(head + sum(s.nbytes for s in segments))
+    """Concatenate segments into one buffer with their sizes in front (count u32, sizes i64).
+
+    Each segment starts at a multiple of ALIGN bytes from the buffer's start, so a receiver whose
+    buffer is aligned gets aligned segments (zero padding between them).
+    """
+    sizes = [s.nbytes for s in segments]
+    offsets, total = _packed_offsets(sizes)
+    out = bytearray(total)
     _U32.pack_into(out, 0, len(segments))
-    pos, data = 4, head
-    for s in segments:
-        _I64.pack_into(out, pos, s.nbytes)
-        pos += 8
-        out[data : data + s.nbytes] = s.cast("B") if s.format != "B" or s.ndim != 1 else s
-        data += s.nbytes
+    for i, (s, at) in enumerate(zip(segments, offsets, strict=True)):
+        _I64.pack_into(out, 4 + 8 * i, s.nbytes)
+        out[at : at + s.nbytes] = s.cast("B") if s.format != "B" or s.ndim != 1 else s
     return out
 
 
@@ -208,14 +270,10 @@ def unpack(buf: memoryview) -> list[memoryview]:
     head = 4 + 8 * count
     if head > n:
         raise FrameError(f"packed segment claims {count} segments, too many for {n} bytes")
-    out = []
-    data = head
-    for i in range(count):
-        (size,) = _I64.unpack_from(mv, 4 + 8 * i)
-        if size < 0 or data + size > n:
-            raise FrameError("packed segment size out of range")
-        out.append(mv[data : data + size])
-        data += size
-    if data != n:
-        raise FrameError(f"packed segment has {n - data} trailing bytes")
-    return out
+    sizes = [_I64.unpack_from(mv, 4 + 8 * i)[0] for i in range(count)]
+    if any(size < 0 or size > n for size in sizes):
+        raise FrameError("packed segment size out of range")
+    offsets, total = _packed_offsets(sizes)
+    if total != n:
+        raise FrameError(f"packed segment is {n} bytes, its table says {total}")
+    return [mv[at : at + size] for at, size in zip(offsets, sizes, strict=True)]

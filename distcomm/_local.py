@@ -25,9 +25,6 @@ class LocalCommunicator(Communicator):
     def world_size(self) -> int:
         return 1
 
-    def _allgather_slots(self, slot: bytearray, timeout: float | None) -> memoryview:
-        return memoryview(bytes(slot))
-
     def _exchange(
         self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]], timeout: float | None
     ) -> None:

@@ -12,6 +12,7 @@ from typing import Any, Literal, NoReturn
 import torch
 import torch.distributed as dist
 
+from . import _frame
 from ._communicator import DEFAULT_SLOT_BYTES, DEFAULT_TIMEOUT, Communicator, Op, _seconds
 from ._errors import (
     CollectiveError,
@@ -119,8 +120,12 @@ class _TorchCommunicator(Communicator):
         return g
 
     def _setup(self, machine: str) -> None:
+        # Set-up's slot has one size whatever the settings, so ranks whose settings differ still
+        # meet in the same exchange, and every rank then refuses the difference alike.
         token = secrets.token_hex(8)
-        infos = self._run(Op.SETUP, -1, (machine, token), self._timeout)
+        infos = self._run(Op.SETUP, -1, (machine, token, self._settings()), self._timeout,
+                          slot_size=_frame.HEADER_SLOT)
+        self._check_settings([info[2] for info in infos])
         self._token = infos[0][1]
         keys = [info[0] for info in infos]
         order = list(dict.fromkeys(keys))
@@ -205,19 +210,18 @@ class _TorchCommunicator(Communicator):
             cached = self._opts_cache = (timeout, opts)
         return cached[1]
 
-    def _allgather_slots(self, slot: bytearray, timeout: float | None) -> memoryview:
-        # An all-to-all of the slot repeated once per rank: gloo runs it as direct pairwise
-        # exchanges on the tensors' own memory, which on loopback takes about two thirds of the
-        # time of its all-gather (a ring behind flatten-and-copy steps) for the same bytes.
+    def _allgather_small(self, slot: bytearray, size: int, timeout: float | None) -> memoryview:
+        # An all-to-all of the slot repeated once per rank (small worlds only): gloo runs it as
+        # direct pairwise exchanges on the tensors' own memory, which on loopback takes about two
+        # thirds of the time of its all-gather (a ring behind flatten-and-copy steps).
         # The buffers are reused from call to call: what the pipeline reads from the output
         # (inline segments) is deserialized, and so copied, before the collective returns.
         bufs = self._slot_bufs
-        if bufs is None:
-            n = self._world * self.slot_bytes
+        if bufs is None or bufs[0].numel() != self._world * size:
+            n = self._world * size
             send, out = torch.empty(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8)
             bufs = self._slot_bufs = (send, memoryview(send.numpy()), out, memoryview(out.numpy()))  # type: ignore[arg-type]
         send, send_view, out, out_view = bufs
-        size = self.slot_bytes
         for r in range(self._world):
             send_view[r * size : (r + 1) * size] = slot
         try:

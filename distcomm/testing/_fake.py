@@ -157,7 +157,8 @@ class FakeCommunicator(Communicator):
         self._ctx = (op, root, obj)
         return super()._run(op, root, obj, timeout, **kwargs)
 
-    def _peer_slot(self, r: int) -> bytearray:
+    def _peer_slot(self, r: int, size: int) -> bytearray:
+        """Peer r's slot for the call in progress; queues what r then sends to the rank under test."""
         op, root, obj = self._ctx
         seq = self._seq
         if op in (Op.BARRIER, Op.REDUCE_DICT, Op.ALL_REDUCE_DICT):
@@ -165,7 +166,7 @@ class FakeCommunicator(Communicator):
             if op is not Op.BARRIER:
                 d = self._peer_dicts[r]
                 digest = _reduce_digest(sorted(d), _work_dtype(d.values()))
-            return _frame.encode(op, seq, root, digest, [], self.slot_bytes)
+            return _frame.encode(op, seq, root, digest, [], size)
         if op is Op.KEYS:
             d = self._peer_dicts[r]
             pobj: Any = ([repr(k) for k in sorted(d)], str(_work_dtype(d.values())))
@@ -177,32 +178,55 @@ class FakeCommunicator(Communicator):
                 f"it on the rank under test too, or script it with peers=")
         parts, status, message = self._serialize_local(op, root, pobj, rank=r)
         if status != _frame.OK:
-            return _frame.encode_status(status, op, seq, root, message, self.slot_bytes)
-        slot, parts = self._build_slot(op, seq, root, 0, parts)
-        decoded = _frame.decode(slot)
-        queue: deque[memoryview] = deque()
-        p = self._route(op, root, r, self._rank)
-        if p is not None:
-            queue.extend(seg for (_, inline), seg in zip(decoded.parts[p], parts[p], strict=True)
-                         if inline is None and seg.nbytes)
-        self._pending[r] = queue
+            full = _frame.message_bytes(message)
+            if len(full) > size - _frame.HEADER_SIZE:  # the rest of a long message follows the slots
+                self._feed(r, [memoryview(full)])
+            return _frame.encode_status(status, op, seq, root, message, size)
+        me = self._rank
+        if op is Op.SCATTER:
+            if r != root:
+                return _frame.encode(op, seq, root, 0, [], size)
+            sub, mine = self._build_slot(op, seq, root, 0, [parts[me]], size)
+            self._feed(r, [memoryview(sub), *self._later(sub, mine, 0)])
+            return _frame.encode(op, seq, root, 0, [], size)
+        slot, parts = self._build_slot(op, seq, root, 0, parts, size)
+        if op is Op.BROADCAST:
+            v = (me - root) % self._size
+            if r == root and v:  # the root's bytes reach this rank through its parent in the tree
+                self._feed(((v - 1) // 2 + root) % self._size, self._later(slot, parts, 0))
+        elif op is not Op.GATHER or me == root:
+            self._feed(r, self._later(slot, parts, 0))
         return slot
 
+    @staticmethod
+    def _later(slot: bytearray, parts: list[list[memoryview]], p: int) -> list[memoryview]:
+        """The segments of part ``p`` that travel after the slot."""
+        table = _frame.decode(slot).parts[p]
+        return [seg for (_, inline), seg in zip(table, parts[p], strict=True) if inline is None and seg.nbytes]
+
+    def _feed(self, src: int, views: list[memoryview]) -> None:
+        self._pending.setdefault(src, deque()).extend(memoryview(v).cast("B") for v in views)
+
     # ------------------------------------------------------------------ transport
-    def _allgather_slots(self, slot: bytearray, timeout: float | None) -> memoryview:
+    def _allgather_slots(self, slot: bytearray, size: int, timeout: float | None) -> memoryview:
         self._pending = {}
-        rows = [slot if r == self._rank else self._peer_slot(r) for r in range(self._size)]
+        rows = [slot if r == self._rank else self._peer_slot(r, size) for r in range(self._size)]
+        self._count(size * (self._size - 1), size * (self._size - 1))
         return memoryview(b"".join(rows))
 
     def _exchange(
         self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]], timeout: float | None
     ) -> None:
-        for src, buf in recvs:  # one buffer per segment, or several segments back to back (all-to-all)
+        for src, buf in recvs:  # what src sends, as one stream of bytes, cut to the buffers posted
             out, filled = buf.numpy(), 0
+            queue = self._pending[src]
             while filled < out.nbytes:
-                seg = memoryview(self._pending[src].popleft()).cast("B")
-                out[filled : filled + seg.nbytes] = seg
-                filled += seg.nbytes
+                seg = queue.popleft()
+                take = min(seg.nbytes, out.nbytes - filled)
+                out[filled : filled + take] = seg[:take]
+                if take < seg.nbytes:
+                    queue.appendleft(seg[take:])
+                filled += take
 
     def _reduce_tensor(self, tensor: torch.Tensor, dst: int | None, timeout: float | None) -> None:
         total = torch.zeros_like(tensor)

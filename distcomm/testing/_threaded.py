@@ -25,18 +25,26 @@ class _World:
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self.cond = threading.Condition()
+        # A condition (and its lock) per rank: a send touches its receiver's only, so a world of a
+        # thousand threads doesn't convoy on one lock; the rendezvous tables have a lock of their own.
+        self.lock = threading.Lock()
+        self.conds = [threading.Condition() for _ in range(size)]
         self.slots: dict[int, list[Any]] = {}  # bytes per rank, by generation
         self.reduces: dict[int, list[Any]] = {}  # tensors per rank, by generation
         self.taken: dict[tuple[str, int], int] = {}
-        self.mail: dict[tuple[int, int], deque[torch.Tensor]] = {}
+        self.mail: dict[tuple[int, int], deque[bytes]] = {}
         self.failed: tuple[int, BaseException] | None = None
 
+    def _wake_all(self) -> None:
+        for c in self.conds:
+            with c:
+                c.notify_all()
+
     def abort(self, rank: int, exc: BaseException) -> None:
-        with self.cond:
+        with self.lock:
             if self.failed is None:
                 self.failed = (rank, exc)
-            self.cond.notify_all()
+        self._wake_all()
 
     def _check(self, me: int) -> None:
         if self.failed is not None:
@@ -46,6 +54,7 @@ class _World:
 
     def _wait(self, me: int, ready: Callable[[], bool], deadline: float | None, what: str,
               missing: Callable[[], list[int]]) -> None:
+        """Wait, holding ``conds[me]``, until ready() (set by others before they notify ``conds[me]``)."""
         while not ready():
             self._check(me)
             left = None if deadline is None else deadline - time.monotonic()
@@ -54,33 +63,38 @@ class _World:
                 raise CollectiveTimeoutError(
                     f"rank {me}: {what} timed out; rank{'s' if len(gone) > 1 else ''} "
                     f"{', '.join(map(str, gone))} never arrived", ranks=gone)
-            self.cond.wait(timeout=0.5 if left is None else min(left, 0.5))
+            self.conds[me].wait(timeout=0.5 if left is None else min(left, 0.5))
 
     def gather(self, table: dict[int, list[Any]], kind: str, gen: int, me: int,
                value: Any, deadline: float | None) -> list[Any]:
-        with self.cond:
+        with self.lock:
             self._check(me)
             entry = table.setdefault(gen, [None] * self.size)
             entry[me] = value
-            if all(v is not None for v in entry):  # the last to arrive wakes the others, once
-                self.cond.notify_all()
-            self._wait(me, lambda: all(v is not None for v in entry), deadline, f"{kind} #{gen}",
+            arrived = table.setdefault(-gen - 1, [0])  # how many have arrived, beside the entry
+            arrived[0] += 1
+            last = arrived[0] == self.size
+        if last:  # the last to arrive wakes the others, once
+            self._wake_all()
+        with self.conds[me]:
+            self._wait(me, lambda: arrived[0] == self.size, deadline, f"{kind} #{gen}",
                        lambda: [r for r, v in enumerate(entry) if v is None])
-            out = [v for v in entry if v is not None]
+        with self.lock:
             key = (kind, gen)
             self.taken[key] = self.taken.get(key, 0) + 1
             if self.taken[key] == self.size:
-                del table[gen], self.taken[key]
-            return out
+                del table[gen], table[-gen - 1], self.taken[key]
+        return entry
 
-    def send(self, src: int, dst: int, tensor: torch.Tensor) -> None:
-        with self.cond:
-            self._check(src)
-            self.mail.setdefault((src, dst), deque()).append(tensor)
-            self.cond.notify_all()
+    def send(self, src: int, dst: int, data: bytes) -> None:
+        self._check(src)
+        cond = self.conds[dst]
+        with cond:
+            self.mail.setdefault((src, dst), deque()).append(data)
+            cond.notify_all()
 
-    def recv(self, src: int, dst: int, deadline: float | None) -> torch.Tensor:
-        with self.cond:
+    def recv(self, src: int, dst: int, deadline: float | None) -> bytes:
+        with self.conds[dst]:
             box = self.mail.setdefault((src, dst), deque())
             self._wait(dst, lambda: bool(box), deadline, f"receive from rank {src}", lambda: [src])
             return box.popleft()
@@ -126,7 +140,7 @@ class ThreadedCommunicator(Communicator):
             self._mark_broken(str(e))
             raise
 
-    def _allgather_slots(self, slot: bytearray, timeout: float | None) -> memoryview:
+    def _allgather_small(self, slot: bytearray, size: int, timeout: float | None) -> memoryview:
         self._slot_gen += 1
         gen, deadline = self._slot_gen, self._deadline(timeout)
         parts = self._guard(lambda: self._world.gather(self._world.slots, "slot exchange", gen, self._rank,
@@ -136,26 +150,26 @@ class ThreadedCommunicator(Communicator):
     def _exchange(
         self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]], timeout: float | None
     ) -> None:
+        # Bytes are copied with memoryviews, not torch ops: a thousand threads calling torch at once
+        # contend for its intra-op thread pool.
         deadline = self._deadline(timeout)
         for dst, t in sends:
-            self._world.send(self._rank, dst, t.clone())
+            self._world.send(self._rank, dst, bytes(memoryview(t.numpy())))  # type: ignore[arg-type]
         for src, buf in recvs:
             got = self._guard(lambda src=src: self._world.recv(src, self._rank, deadline))  # type: ignore[misc]
-            if got.numel() != buf.numel():
+            if len(got) != buf.numel():
                 raise CollectiveError(
-                    f"rank {self._rank}: expected {buf.numel()} bytes from rank {src}, got {got.numel()}", ranks=[src])
-            buf.copy_(got)
+                    f"rank {self._rank}: expected {buf.numel()} bytes from rank {src}, got {len(got)}", ranks=[src])
+            if got:
+                memoryview(buf.numpy())[:] = got  # type: ignore[arg-type]
 
     def _reduce_tensor(self, tensor: torch.Tensor, dst: int | None, timeout: float | None) -> None:
         self._reduce_gen += 1
         gen, deadline = self._reduce_gen, self._deadline(timeout)
         values = self._guard(lambda: self._world.gather(self._world.reduces, "reduce", gen, self._rank,
                                                         tensor.clone(), deadline))
-        if dst is None or dst == self._rank:
-            total = values[0].clone()
-            for v in values[1:]:
-                total += v
-            tensor.copy_(total)
+        if dst is None or dst == self._rank:  # summed in rank order, like a transport's fixed order
+            tensor.copy_(torch.stack(values).sum(0))
 
 
 def run_threaded(fn: Callable[[ThreadedCommunicator], _R], world_size: int, *, timeout: float = 60.0,

@@ -1,0 +1,125 @@
+"""Cluster scale: large worlds, and what each rank sends and receives per call.
+
+Byte counts come from ``comm.stats``, which counts every byte this rank's transport sends and
+receives for the call (slots, segments, forwarded chunks). The kernel's counters agree within
+TCP/IP framing: see ``benchmarks/wire.py`` and the README.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import distcomm
+from distcomm import _frame
+from distcomm.testing import FakeCommunicator, run_threaded, spawn
+
+MiB = 1 << 20
+
+
+def _small_world(comm: distcomm.Communicator) -> dict[str, Any]:
+    r, n = comm.rank, comm.world_size
+    comm.synchronize()
+    out: dict[str, Any] = {
+        "all_gather": comm.all_gather(r),
+        "gather": comm.gather({"r": r}, dst=n - 1),
+        "broadcast": comm.broadcast({"from": r, "v": list(range(5))} if r == 3 else None, src=3),
+        "scatter": comm.scatter([f"part {i}" for i in range(n)] if r == 1 else None, src=1),
+        "reduce": float(comm.all_reduce_dict({"x": torch.tensor(float(r))}, average=False)["x"]),
+    }
+    return out
+
+
+@pytest.mark.parametrize("world_size", [256, 1024])
+def test_threaded_world_runs_every_collective_at_scale(world_size: int) -> None:
+    results = run_threaded(_small_world, world_size, timeout=240)
+    n = world_size
+    for r, got in enumerate(results):
+        assert got["all_gather"] == list(range(n))
+        assert got["gather"] == ([{"r": i} for i in range(n)] if r == n - 1 else [])
+        assert got["broadcast"] == {"from": 3, "v": [0, 1, 2, 3, 4]}
+        assert got["scatter"] == f"part {r}"
+        assert got["reduce"] == float(sum(range(n)))
+
+
+@pytest.mark.parametrize("rank", [0, 517, 1023])
+def test_fake_scatter_at_1024(rank: int) -> None:
+    parts = [{"i": i, "a": np.full(3, i)} for i in range(1024)]
+    comm = FakeCommunicator(rank, 1024, peers=lambda op, r, obj: parts if op == "scatter" else obj)
+    got = comm.scatter(parts if rank == 0 else None, src=0)
+    assert got["i"] == rank and got["a"].tolist() == [rank] * 3
+    # a receiver gets the header slots, then one small slot with its own part: nothing of the others'
+    if rank:
+        received = comm.stats["scatter"].bytes_received
+        assert received == 1023 * _frame.HEADER_SLOT + _frame.HEADER_SLOT
+
+
+def _bytes_per_call(comm: distcomm.Communicator) -> dict[str, tuple[int, int]]:
+    r, n = comm.rank, comm.world_size
+    comm.reset_stats()
+    comm.synchronize()
+    comm.reduce_dict({f"k{i}": torch.tensor(float(r)) for i in range(8)})
+    comm.gather(np.full(MiB // 8, float(r)), dst=0)
+    comm.broadcast(np.ones(8 * MiB // 8) if r == 2 else None, src=2)
+    comm.scatter([np.full(MiB // 8, float(i)) for i in range(n)] if r == 1 else None, src=1)
+    comm.all_gather({f"m{i}": float(r) for i in range(8)})
+    return {op: (s.bytes_sent, s.bytes_received) for op, s in comm.stats.items()}
+
+
+def _check_bytes(r: int, n: int, got: dict[str, tuple[int, int]]) -> None:
+    slots = (n - 1) * _frame.HEADER_SLOT  # the header all-gather: what every call costs every rank
+    overhead = 8 * 1024  # the pickle streams of the arrays, small tables
+    assert got["barrier"] == (slots, slots)
+    sent, received = got["reduce_dict"]
+    assert sent <= slots + 2 * 8 * 8 and received <= slots + 2 * 8 * 8
+    # gather: only the root receives the arrays; nobody else receives anything but the headers
+    sent, received = got["gather"]
+    if r == 0:
+        assert (n - 1) * MiB <= received <= (n - 1) * (MiB + overhead) + slots
+    else:
+        assert received == slots and MiB <= sent <= MiB + overhead + slots
+    # broadcast: the root sends the payload at most twice; everyone receives it once
+    sent, received = got["broadcast"]
+    assert sent <= 2 * 8 * MiB + slots
+    assert received == slots if r == 2 else 8 * MiB <= received <= 8 * MiB + slots + overhead
+    # scatter: each rank receives its own part only
+    sent, received = got["scatter"]
+    if r == 1:
+        assert (n - 1) * MiB <= sent <= (n - 1) * (MiB + overhead) + slots
+    else:
+        assert MiB <= received <= MiB + overhead + slots + _frame.HEADER_SLOT
+    # a small all_gather: headers, then each rank's few hundred bytes to each peer
+    sent, received = got["all_gather"]
+    assert sent <= slots + (n - 1) * 512 and received <= slots + (n - 1) * 512
+
+
+def test_bytes_per_rank_threaded_world_of_8() -> None:
+    for r, got in enumerate(run_threaded(_bytes_per_call, 8, timeout=120)):
+        _check_bytes(r, 8, got)
+
+
+def test_bytes_per_rank_gloo_world_of_8() -> None:
+    for r, got in enumerate(spawn(_bytes_per_call, 8, timeout=180)):
+        _check_bytes(r, 8, got)
+
+
+def _tree_contents(comm: distcomm.Communicator) -> list[float]:
+    payload = {"a": np.arange(3 * MiB // 8, dtype=np.float64), "t": torch.arange(MiB // 4, dtype=torch.float32)}
+    got = comm.broadcast(payload if comm.rank == 4 else None, src=4)
+    return [float(got["a"].sum()), float(got["t"].sum()), float(got["a"][-1])]
+
+
+@pytest.mark.parametrize("world_size", [7, 13])
+def test_tree_broadcast_in_chunks(world_size: int) -> None:
+    """Several segments, each cut into chunks and forwarded down the tree: every byte arrives."""
+    distcomm.Communicator._TREE_CHUNK = 256 * 1024
+    try:
+        results = run_threaded(_tree_contents, world_size, timeout=120)
+    finally:
+        distcomm.Communicator._TREE_CHUNK = 1 << 20
+    a = np.arange(3 * MiB // 8, dtype=np.float64)
+    want = [float(a.sum()), float(torch.arange(MiB // 4, dtype=torch.float32).sum()), float(a[-1])]
+    assert results == [want] * world_size
