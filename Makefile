@@ -6,7 +6,10 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.distcomm-installed
 
-.PHONY: install demo test test-large test-gpu lint typecheck bench clean
+.PHONY: help install demo test test-large test-gpu lint typecheck bench bench-wire bench-simulate clean
+
+help:  ## this list
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -15,29 +18,35 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
-install: $(STAMP)
+install: $(STAMP)  ## create .venv and install distcomm with its dev tools
 
-demo: $(STAMP)
+demo: $(STAMP)  ## the example training and evaluation jobs on 2 CPU processes
 	$(BIN)/python examples/train.py --nproc 2
 	$(BIN)/python examples/evaluate.py --nproc 2
 
-test: $(STAMP)
+test: $(STAMP)  ## the whole suite
 	$(BIN)/python -m pytest -q
 
-test-large: $(STAMP)
+test-large: $(STAMP)  ## payloads over 2 GiB (about 12 GiB of RAM)
 	$(BIN)/python -m pytest -q -m large tests/test_large.py
 
-test-gpu: $(STAMP)
+test-gpu: $(STAMP)  ## NcclCommunicator on the visible GPUs
 	$(BIN)/python -m pytest -q -rs tests/gpu
 
-lint: $(STAMP)
+lint: $(STAMP)  ## ruff
 	$(BIN)/ruff check distcomm tests examples benchmarks
 
-typecheck: $(STAMP)
+typecheck: $(STAMP)  ## mypy --strict
 	$(BIN)/mypy distcomm
 
-bench: $(STAMP)
+bench: $(STAMP)  ## time against torch at 2-16 ranks, bytes per call, peak memory
 	$(BIN)/python benchmarks/run.py
 
-clean:
+bench-wire: $(STAMP)  ## bytes on the wire per rank, one network namespace per rank (needs root)
+	$(BIN)/python benchmarks/wire.py --world 8 16
+
+bench-simulate: $(STAMP)  ## Python per rank per call against world size, up to 1,024 simulated ranks
+	$(BIN)/python benchmarks/simulate.py
+
+clean:  ## remove .venv and caches
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache

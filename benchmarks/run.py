@@ -59,6 +59,8 @@ def payload(name: str, rank: int, size: int = 32 * MiB) -> Any:
         return torch.full((size // 4,), float(rank))
     if name == "skewed 32 MiB":
         return np.full(size // 8, 1.0) if rank == 0 else {"rank": rank}
+    if name == "8 MiB array":
+        return np.full(MiB, rank, dtype=np.float64)
     if name == "array":
         return np.full(max(size // 8, 1), rank, dtype=np.float64)
     raise ValueError(name)
@@ -112,6 +114,8 @@ def floor_sizes(obj: Any) -> tuple[torch.Tensor, int]:
 
 def make_impls(comm: distcomm.Communicator, op: str, obj: Any) -> dict[str, Callable[[], Any]]:
     world, rank = comm.world_size, comm.rank
+    if op in ("broadcast", "scatter"):
+        return root_impls(comm, op, obj)
     raw, biggest = floor_sizes(obj)
     if raw.numel() < biggest:
         raw = torch.cat((raw, torch.zeros(biggest - raw.numel(), dtype=torch.uint8)))
@@ -143,6 +147,44 @@ def make_impls(comm: distcomm.Communicator, op: str, obj: Any) -> dict[str, Call
             "naive": lambda: naive_all_gather(obj, gather_to=0), "floor": floor_gather}
 
 
+def root_impls(comm: distcomm.Communicator, op: str, obj: Any) -> dict[str, Callable[[], Any]]:
+    """broadcast from rank 0 (rank 0's object), and scatter from rank 0 (one object per rank, each
+    what that rank would contribute). The floor moves the same raw bytes with the same collective,
+    into buffers allocated per call; the reference module has no such ops: no naive column."""
+    world, rank = comm.world_size, comm.rank
+    if op == "broadcast":
+        raw, _ = floor_sizes(obj)
+        n = int(comm.broadcast(raw.numel()))
+
+        def torch_bcast() -> Any:
+            box = [obj if rank == 0 else None]
+            dist.broadcast_object_list(box, src=0)
+            return box[0]
+
+        def floor_bcast() -> Any:
+            buf = raw if rank == 0 else torch.empty(n, dtype=torch.uint8)
+            dist.broadcast(buf, src=0)
+            return buf
+
+        return {"distcomm": lambda: comm.broadcast(obj if rank == 0 else None, src=0), "torch": torch_bcast,
+                "floor": floor_bcast}
+    parts = comm.gather(obj, dst=0) or None  # the root holds every rank's part
+    raw, biggest = floor_sizes(obj)
+    chunks = [torch.zeros(biggest, dtype=torch.uint8) for _ in range(world)] if rank == 0 else None
+
+    def torch_scatter() -> Any:
+        out: list[Any] = [None]
+        dist.scatter_object_list(out, parts, src=0)
+        return out[0]
+
+    def floor_scatter() -> Any:
+        out = torch.empty(biggest, dtype=torch.uint8)
+        dist.scatter(out, chunks, src=0)
+        return out
+
+    return {"distcomm": lambda: comm.scatter(parts, src=0), "torch": torch_scatter, "floor": floor_scatter}
+
+
 # ---------------------------------------------------------------- timing worker
 def _init(rank: int, world: int, port: int) -> distcomm.GlooCommunicator:
     import warnings
@@ -164,6 +206,7 @@ def _batch(name: str, size: int) -> int:
 def _reps(name: str, size: int, quick: bool) -> int:
     """The same on every rank (a rank-dependent count would desynchronize the ranks)."""
     nbytes = size if name in ("array", "32 MiB array", "32 MiB tensor", "skewed 32 MiB") else 0
+    nbytes = nbytes or (8 * MiB if name == "8 MiB array" else 0)
     if nbytes < 64 * 1024:
         return 60 if quick else 300
     if nbytes < 4 * MiB:
@@ -189,12 +232,18 @@ def time_worker(rank: int, world: int, port: int, cases: list[tuple[str, str, in
                 for _ in range(batch):
                     fn()
                 times[key].append((time.perf_counter() - t0) / batch)
+        comm.reset_stats()  # what one call moves, as distcomm's counters see it (payload bytes, no framing)
+        impls["distcomm"]()
+        label = "broadcast" if op == "broadcast" else op
+        st = comm.stats[label]
+        moved = (st.bytes_sent, st.bytes_received)
         everyone: list[Any] = [None] * world
-        dist.all_gather_object(everyone, (nbytes, times))
+        dist.all_gather_object(everyone, (nbytes, times, moved))
         if rank == 0:
             slowest = {k: [max(t[1][k][i] for t in everyone) for i in range(len(times[k]))] for k in times}
             rows.append({"payload": name, "op": op, "world": world, "size": size,
                          "bytes_per_rank": [t[0] for t in everyone],
+                         "moved": [t[2] for t in everyone],
                          "median_s": {k: statistics.median(v) for k, v in slowest.items()}})
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
@@ -258,6 +307,10 @@ def fmt_time(s: float) -> str:
     return f"{s * 1e6:.0f} µs" if s < 1e-3 else f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
 
 
+def fmt_bytes(n: float) -> str:
+    return f"{n:.0f} B" if n < 1024 else f"{n / 1024:.1f} KiB" if n < MiB else f"{n / MiB:.2f} MiB"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
@@ -269,7 +322,9 @@ def main() -> None:
     args = parser.parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)
     tmp = RESULTS / "_tmp.json"
-    names = ["dict of 8 floats", "2,000 small dicts", "32 MiB array", "32 MiB tensor", "skewed 32 MiB"]
+    names = ["dict of 8 floats", "2,000 small dicts", "32 MiB array", "32 MiB tensor", "skewed 32 MiB",
+             "8 MiB array"]
+    rooted = ["dict of 8 floats", "8 MiB array"]  # broadcast and scatter, and every op from 8 ranks
     partial = bool(args.payload or args.world)
     if args.payload:
         unknown = [n for n in args.payload if n not in names]
@@ -279,10 +334,14 @@ def main() -> None:
     if partial:
         args.no_plot = args.no_memory = True
     rows: list[dict[str, Any]] = []
-    for world in args.world or (2, 4):
-        cases = [(n, op, 32 * MiB) for n in names for op in ("all_gather", "gather")]
-        run_world(time_worker, world, cases, args.quick, str(tmp))
-        rows += json.loads(tmp.read_text())
+    for world in args.world or (2, 4, 8, 16):
+        ops = ("all_gather", "gather", "broadcast", "scatter")
+        cases = [(n, op, 32 * MiB) for n in names for op in ops
+                 if n in rooted or (world <= 4 and op in ("all_gather", "gather"))]
+        if cases:
+            print(f"timing {len(cases)} cases at world {world} ...", flush=True)
+            run_world(time_worker, world, cases, args.quick, str(tmp))
+            rows += json.loads(tmp.read_text())
     sweep: list[dict[str, Any]] = []
     if not args.no_plot:
         sizes = [1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 23, 1 << 25]
@@ -305,14 +364,21 @@ def main() -> None:
         "Median time of one collective (slowest rank; small payloads: batches of 10 or 3 calls back to back); "
         "ratio = distcomm / torch within the same run.",
         "",
-        "| payload | op | world | distcomm | torch | naive | floor | distcomm/torch | distcomm/floor |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "Bytes: what distcomm's counters say one call moved per rank (largest sent / largest received "
+        "over ranks; payload bytes, no TCP/IP or gloo framing: benchmarks/wire.py counts those).",
+        "",
+        "| payload | op | world | distcomm | torch | naive | floor | distcomm/torch | distcomm/floor "
+        "| sent / received per rank |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         m = r["median_s"]
+        naive = fmt_time(m["naive"]) if "naive" in m else "n/a"
+        sent = max(x[0] for x in r["moved"])
+        received = max(x[1] for x in r["moved"])
         lines.append(f"| {r['payload']} | {r['op']} | {r['world']} | {fmt_time(m['distcomm'])} | {fmt_time(m['torch'])}"
-                     f" | {fmt_time(m['naive'])} | {fmt_time(m['floor'])} | {m['distcomm'] / m['torch']:.2f}"
-                     f" | {m['distcomm'] / m['floor']:.2f} |")
+                     f" | {naive} | {fmt_time(m['floor'])} | {m['distcomm'] / m['torch']:.2f}"
+                     f" | {m['distcomm'] / m['floor']:.2f} | {fmt_bytes(sent)} / {fmt_bytes(received)} |")
     lines += ["", "distcomm.testing's threaded world (ranks as threads in one process, same pipeline): "
               "all_gather of a dict of 8 floats, median per call (slowest rank).", "",
               "| world | time |", "|---|---|"]

@@ -95,6 +95,15 @@ class OpStats:
     deserialize_s: float = 0.0
 
 
+_Seg = tuple[memoryview, bool]
+"""A segment this rank received: its bytes, and whether they came inline in a slot (the transport's
+buffer, copied before they become a result's memory) or in a buffer of their own."""
+
+
+def _mv(t: torch.Tensor) -> memoryview:
+    return memoryview(t.numpy())  # type: ignore[arg-type]
+
+
 @dataclass
 class _Plan:
     """What this rank sends and receives in step 2, and the segments it will deserialize."""
@@ -102,7 +111,7 @@ class _Plan:
     sends: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     recvs: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # point to point only
     # per source rank: its segments, each an inline view or the tensor it is received into
-    incoming: dict[int, list[memoryview | torch.Tensor]] = field(default_factory=dict)
+    incoming: dict[int, list[_Seg]] = field(default_factory=dict)
     packed: dict[int, bool] = field(default_factory=dict)
     send_counts: list[int] = field(default_factory=list)  # bytes to / from each rank
     recv_counts: list[int] = field(default_factory=list)
@@ -746,7 +755,7 @@ class Communicator(abc.ABC):
             results[self.rank] = obj
         token = _CUDA_TARGET.set(self._cuda_target)
         try:
-            received = sum(s.nbytes if isinstance(s, memoryview) else s.numel() for v in incoming.values() for s in v)
+            received = sum(view.nbytes for v in incoming.values() for view, _ in v)
             if received >= _GC_PAUSE_BYTES:
                 with _GCPause():
                     self._load_all(op, seq, incoming, packed, results)
@@ -826,12 +835,12 @@ class Communicator(abc.ABC):
                              ranks=[root])
         return _Slots(b"", size, 0, sub)
 
-    _TREE_CHUNK = 1 << 20
+    _TREE_CHUNK = 4 << 20
     _TREE_MAX_CHUNKS = 16
 
     def _tree_broadcast(
         self, root: int, slot: _frame.Slot, parts: list[list[memoryview]], timeout: float | None
-    ) -> list[memoryview | torch.Tensor]:
+    ) -> list[_Seg]:
         """Move the root's segments that didn't fit its slot down a binary tree, in pipelined chunks.
 
         Ranks are numbered from the root (v = rank - root); v's parent is (v - 1) // 2 and its
@@ -847,17 +856,17 @@ class Communicator(abc.ABC):
         v = (me - root) % world
         parent = None if v == 0 else ((v - 1) // 2 + root) % world
         children = [(c + root) % world for c in (2 * v + 1, 2 * v + 2) if c < world]
-        segs: list[memoryview | torch.Tensor] = []
+        segs: list[_Seg] = []
         bufs: list[torch.Tensor] = []
         for i, (n, inline) in enumerate(entries):
             if inline is not None:
-                segs.append(inline)
+                segs.append((inline, True))
             elif parent is None:
                 bufs.append(_byte_tensor(parts[0][i]))
             else:
                 self._check_receivable(n, root, "broadcast")
                 buf = torch.empty(n, dtype=torch.uint8)
-                segs.append(buf)
+                segs.append((_mv(buf), False))
                 bufs.append(buf)
         total = sum(b.numel() for b in bufs)
         if not total:
@@ -883,25 +892,23 @@ class Communicator(abc.ABC):
             self._mark_broken(why)
             raise PayloadTooLargeError(why, op=label, ranks=[src])
 
-    def _load_all(self, op: Op, seq: int, incoming: dict[int, list[memoryview | torch.Tensor]],
+    def _load_all(self, op: Op, seq: int, incoming: dict[int, list[_Seg]],
                   packed: dict[int, bool], results: list[Any]) -> None:
         for src, segs in incoming.items():
             results[self.rank if op is _SCATTER else src] = self._load(op, seq, src, segs, packed[src])
 
-    def _load(self, op: Op, seq: int, src: int, segs: list[memoryview | torch.Tensor], packed: bool) -> Any:
+    def _load(self, op: Op, seq: int, src: int, segs: list[_Seg], packed: bool) -> Any:
         """Deserialize one rank's segments (inline views or received tensors)."""
         # Out-of-band buffers become the results' memory: those that came inline in the slot are
         # copied out of it (the slot buffer is the transport's, and may be read-only), into aligned memory.
         # Buffers that landed at an unaligned offset of a shared receive buffer are copied too (an
         # all-to-all lands them back to back): every out-of-band buffer starts at a multiple of 64.
-        views = [s if isinstance(s, memoryview) else memoryview(s.numpy()) for s in segs]  # type: ignore[arg-type]
         if packed:
-            inline = isinstance(segs[0], memoryview)
-            views = _frame.unpack(views[0])
+            inline = segs[0][1]
+            views = _frame.unpack(segs[0][0])
             views[1:] = [_owned_copy(v) if inline or not _is_aligned(v) else v for v in views[1:]]
         else:
-            views[1:] = [_owned_copy(v) if isinstance(s, memoryview) or not _is_aligned(v) else v
-                         for v, s in zip(views[1:], segs[1:], strict=True)]
+            views = [segs[0][0]] + [_owned_copy(v) if inline or not _is_aligned(v) else v for v, inline in segs[1:]]
         try:
             return self.serializer.loads(views)
         except CollectiveError as e:
@@ -1032,11 +1039,15 @@ class Communicator(abc.ABC):
             receivers = [(r, 0) for r in range(world) if r != me]
             sources = [(r, slots[r], 0) for r in range(world) if r != me]
         # what I send: my segments that did not fit the slot, to each receiver of their part
+        later: dict[int, list[torch.Tensor]] = {}  # each part's travelling segments, as tensors, made once
         for dst, p in receivers:
-            for (size, inline), seg in zip(tables[p], parts[p], strict=True):
-                if inline is None and size:
-                    plan.sends.append((dst, _byte_tensor(seg)))
-                    plan.send_counts[dst] += size
+            out = later.get(p)
+            if out is None:
+                out = later[p] = [_byte_tensor(seg) for (size, inline), seg in zip(tables[p], parts[p], strict=True)
+                                  if inline is None and size]
+            for t in out:
+                plan.sends.append((dst, t))
+                plan.send_counts[dst] += t.numel()
         # what I receive: each source's part meant for me, into exact-size buffers (with an
         # all-to-all: views of one buffer, each source's segments in turn, each at an aligned offset)
         wanted = []
@@ -1053,18 +1064,19 @@ class Communicator(abc.ABC):
         if op is not _SCATTER and self._alltoall_fits(op, root, slots):
             plan.recv_buf = torch.empty(sum(plan.recv_counts), dtype=torch.uint8)
         offset = 0
+        whole = _mv(plan.recv_buf) if plan.recv_buf is not None else None
         for src, entries in wanted:
-            segs: list[memoryview | torch.Tensor] = []
+            segs: list[_Seg] = []
             for size, inline in entries:
                 if inline is not None:
-                    segs.append(inline)
-                elif plan.recv_buf is not None:
-                    segs.append(plan.recv_buf[offset : offset + size])
+                    segs.append((inline, True))
+                elif whole is not None:
+                    segs.append((whole[offset : offset + size], False))
                     offset += size
                 else:
                     buf = torch.empty(size, dtype=torch.uint8)
                     if size:
                         plan.recvs.append((src, buf))
-                    segs.append(buf)
+                    segs.append((_mv(buf), False))
             plan.incoming[src] = segs
         return plan

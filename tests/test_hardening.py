@@ -20,7 +20,9 @@ def _aligned_results(comm: distcomm.Communicator) -> list[tuple[int, bool, float
     obj = {"text": "x" * 5000 + str(comm.rank), "c": torch.full((20_000,), 1 + 2j, dtype=torch.complex128),
            "a": np.arange(9_000, dtype=np.complex128)}
     out = []
-    for got in comm.all_gather(obj):
+    for r, got in enumerate(comm.all_gather(obj)):
+        if r == comm.rank:  # this rank's own entry is its own object, wherever numpy put it
+            continue
         t = got["c"]
         out.append((t.data_ptr() % 64, bool(torch.where(t.real > 0, t, 0).abs().sum() > 0),
                     float(np.abs(got["a"]).sum()) + got["a"].ctypes.data % 64))
@@ -40,7 +42,7 @@ def test_received_buffers_are_64_byte_aligned(world: str, mode: str) -> None:
     run = spawn if world == "gloo" else run_threaded
     want = float(np.abs(np.arange(9_000, dtype=np.complex128)).sum())
     for rows in run(fn, 3, timeout=120):
-        assert rows == [(0, True, want)] * 3
+        assert rows == [(0, True, want)] * 2
 
 
 def _build_with(kwargs_for: Any) -> Any:

@@ -7,6 +7,7 @@ TCP/IP framing: see ``benchmarks/wire.py`` and the README.
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import numpy as np
@@ -35,7 +36,7 @@ def _small_world(comm: distcomm.Communicator) -> dict[str, Any]:
 
 @pytest.mark.parametrize("world_size", [256, 1024])
 def test_threaded_world_runs_every_collective_at_scale(world_size: int) -> None:
-    results = run_threaded(_small_world, world_size, timeout=240)
+    results = run_threaded(_small_world, world_size, timeout=200)
     n = world_size
     for r, got in enumerate(results):
         assert got["all_gather"] == list(range(n))
@@ -51,10 +52,12 @@ def test_fake_scatter_at_1024(rank: int) -> None:
     comm = FakeCommunicator(rank, 1024, peers=lambda op, r, obj: parts if op == "scatter" else obj)
     got = comm.scatter(parts if rank == 0 else None, src=0)
     assert got["i"] == rank and got["a"].tolist() == [rank] * 3
-    # a receiver gets the header slots, then one small slot with its own part: nothing of the others'
+    # a receiver gets the header slots, then one small slot for its own part and the part's pickle
+    # stream (too big for a 64-byte slot): nothing of the others'
     if rank:
         received = comm.stats["scatter"].bytes_received
-        assert received == 1023 * _frame.HEADER_SLOT + _frame.HEADER_SLOT
+        own = len(pickle.dumps(parts[rank], protocol=5))
+        assert 1023 * _frame.HEADER_SLOT + _frame.HEADER_SLOT < received <= 1024 * _frame.HEADER_SLOT + own
 
 
 def _bytes_per_call(comm: distcomm.Communicator) -> dict[str, tuple[int, int]]:
@@ -83,7 +86,7 @@ def _check_bytes(r: int, n: int, got: dict[str, tuple[int, int]]) -> None:
         assert received == slots and MiB <= sent <= MiB + overhead + slots
     # broadcast: the root sends the payload at most twice; everyone receives it once
     sent, received = got["broadcast"]
-    assert sent <= 2 * 8 * MiB + slots
+    assert sent <= 2 * (8 * MiB + overhead) + slots
     assert received == slots if r == 2 else 8 * MiB <= received <= 8 * MiB + slots + overhead
     # scatter: each rank receives its own part only
     sent, received = got["scatter"]
@@ -119,7 +122,7 @@ def test_tree_broadcast_in_chunks(world_size: int) -> None:
     try:
         results = run_threaded(_tree_contents, world_size, timeout=120)
     finally:
-        distcomm.Communicator._TREE_CHUNK = 1 << 20
+        distcomm.Communicator._TREE_CHUNK = 4 << 20
     a = np.arange(3 * MiB // 8, dtype=np.float64)
     want = [float(a.sum()), float(torch.arange(MiB // 4, dtype=torch.float32).sum()), float(a[-1])]
     assert results == [want] * world_size

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import traceback
@@ -11,7 +12,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from .._communicator import Communicator
+from .._communicator import Communicator, Op
 from .._context import use
 from .._errors import CollectiveError, CollectiveTimeoutError, DistCommError, RankFailedError
 
@@ -34,6 +35,7 @@ class _World:
         self.taken: dict[tuple[str, int], int] = {}
         self.mail: dict[tuple[int, int], deque[bytes]] = {}
         self.failed: tuple[int, BaseException] | None = None
+        self.baton = threading.Lock()
 
     def _wake_all(self) -> None:
         for c in self.conds:
@@ -113,6 +115,7 @@ class ThreadedCommunicator(Communicator):
         self._rank = rank
         self._slot_gen = 0
         self._reduce_gen = 0
+        self._holding = False
 
     @property
     def rank(self) -> int:
@@ -134,18 +137,64 @@ class ThreadedCommunicator(Communicator):
         return None if timeout is None else time.monotonic() + timeout
 
     def _guard(self, fn: Callable[[], _R]) -> _R:
+        """Wait in the world (without the baton), and mark this rank broken if the wait times out."""
+        holding = self._holding
+        if holding:
+            self._holding = False
+            self._world.baton.release()
         try:
             return fn()
         except CollectiveTimeoutError as e:
             self._mark_broken(str(e))
             raise
+        finally:
+            if holding:
+                self._world.baton.acquire()
+                self._holding = True
 
-    def _allgather_small(self, slot: bytearray, size: int, timeout: float | None) -> memoryview:
+    def _run(self, op: Op, root: int, obj: Any, timeout: float | None, **kwargs: Any) -> list[Any]:
+        # A collective's own work runs holding the world's baton, which it passes on whenever it waits:
+        # one rank computes at a time, so a thousand threads woken together by a rendezvous don't all
+        # fight for the interpreter lock (which costs more than the work itself in large worlds).
+        if self._holding:  # a collective run from within one (reduce_dict's key check)
+            return super()._run(op, root, obj, timeout, **kwargs)
+        self._world.baton.acquire()
+        self._holding = True
+        try:
+            return super()._run(op, root, obj, timeout, **kwargs)
+        finally:
+            self._holding = False
+            self._world.baton.release()
+
+    def _allgather_slots(self, slot: bytearray, size: int, timeout: float | None) -> memoryview:
+        # One rendezvous at every world size: this transport's all-gather (gloo's is an all-to-all
+        # in small worlds and Bruck's algorithm beyond; both deliver the same bytes).
+        self._count(size * (self.world_size - 1), size * (self.world_size - 1))
+        parts = self._rendezvous(self._world.slots, "slot exchange", bytes(slot), timeout)
+        return memoryview(b"".join(parts))
+
+    def _rendezvous(self, table: dict[int, list[Any]], kind: str, value: Any, timeout: float | None) -> list[Any]:
         self._slot_gen += 1
         gen, deadline = self._slot_gen, self._deadline(timeout)
-        parts = self._guard(lambda: self._world.gather(self._world.slots, "slot exchange", gen, self._rank,
-                                                       bytes(slot), deadline))
-        return memoryview(b"".join(parts))
+        return self._guard(lambda: self._world.gather(table, kind, gen, self._rank, value, deadline))
+
+    def _alltoallv(
+        self, send: torch.Tensor, send_counts: list[int], recv: torch.Tensor, recv_counts: list[int],
+        timeout: float | None,
+    ) -> None:
+        # Each rank leaves its chunks, cut per receiver, in one rendezvous and takes its own from each.
+        data, chunks, at = memoryview(send.numpy()), [], 0  # type: ignore[arg-type]
+        for n in send_counts:
+            chunks.append(bytes(data[at : at + n]))
+            at += n
+        everyone = self._rendezvous(self._world.slots, "all-to-all", chunks, timeout)
+        out, at, me = memoryview(recv.numpy()), 0, self._rank  # type: ignore[arg-type]
+        for src, n in enumerate(recv_counts):
+            got = everyone[src][me]
+            if len(got) != n:
+                raise CollectiveError(f"rank {me}: expected {n} bytes from rank {src}, got {len(got)}", ranks=[src])
+            out[at : at + n] = got
+            at += n
 
     def _exchange(
         self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]], timeout: float | None
@@ -195,6 +244,22 @@ def run_threaded(fn: Callable[[ThreadedCommunicator], _R], world_size: int, *, t
     if timeout <= 0:
         raise ValueError(f"timeout must be positive, got {timeout}")
     comm_kwargs.setdefault("timeout", timeout)
+    # In large worlds, threads woken together ask the interpreter lock to switch every 5 ms each;
+    # a longer interval while the world runs keeps that from costing more than the work.
+    interval = sys.getswitchinterval()
+    if world_size >= _LARGE_WORLD:
+        sys.setswitchinterval(max(interval, 0.05))
+    try:
+        return _run_world(fn, world_size, timeout, comm_kwargs)
+    finally:
+        sys.setswitchinterval(interval)
+
+
+_LARGE_WORLD = 64
+
+
+def _run_world(fn: Callable[[ThreadedCommunicator], _R], world_size: int, timeout: float,
+               comm_kwargs: dict[str, Any]) -> list[_R]:
     world = _World(world_size)
     comms = [ThreadedCommunicator(world, r, **comm_kwargs) for r in range(world_size)]
     results: list[Any] = [None] * world_size

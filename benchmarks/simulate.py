@@ -1,0 +1,177 @@
+"""Python work per rank per call against world size, up to 1,024 ranks, on one core.
+
+    python benchmarks/simulate.py            (or: make bench-simulate)
+
+One rank's collective runs its real pipeline code (serialize, slots, agreement, routing, plan,
+load) while its peers are simulated: their slots and segments are recorded once and replayed, with
+the call number patched in. The time the simulated transport spends (replaying slots, copying
+bytes into receive buffers) is measured and taken out, so what remains is the rank's own Python
+(and the C it calls), as ``time.thread_time``. torch's object collectives run on torch's "fake"
+process group, which runs their Python and hallucinates the transfers; its copies of the payload
+into the gathered tensor are transport work that this measurement leaves in torch's figure.
+
+Each figure is the larger of the root's and a non-root rank's, the median of several calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from distcomm import _frame
+from distcomm.testing import FakeCommunicator
+
+MiB = 1 << 20
+OPS = ["all_gather", "gather", "broadcast", "scatter"]
+PAYLOADS = ["dict of 8 floats", "1 MiB array"]
+
+
+def payload(name: str, rank: int) -> Any:
+    if name == "dict of 8 floats":
+        return {f"metric_{i}": float(rank + i / 7) for i in range(8)}
+    return np.full(MiB // 8, float(rank))
+
+
+class SimCommunicator(FakeCommunicator):
+    """A FakeCommunicator whose peers' bytes are recorded on the first call and replayed after."""
+
+    def __init__(self, rank: int, world_size: int, name: str) -> None:
+        objs = [payload(name, r) for r in range(world_size)]
+        super().__init__(rank, world_size, peers=lambda op, r, obj: objs if op == "scatter" else objs[r])
+        self.objs = objs
+        self.transport_s = 0.0
+        self.posts = 0
+        self._tape: dict[tuple[int, int, int], tuple[bytes, dict[int, list[memoryview]]]] = {}
+
+    def _allgather_slots(self, slot: bytearray, size: int, timeout: float | None) -> memoryview:
+        t0 = time.thread_time()
+        op, root, _ = self._ctx
+        key = (int(op), root, size)
+        if key not in self._tape:
+            raw = super()._allgather_slots(slot, size, timeout)
+            self._tape[key] = (bytes(raw), {s: list(q) for s, q in self._pending.items()})
+        else:
+            self._count(size * (self.world_size - 1), size * (self.world_size - 1))
+        raw_bytes, streams = self._tape[key]
+        buf = bytearray(raw_bytes)
+        heads = np.frombuffer(buf, dtype=_frame._header_dtype(size), count=self.world_size)
+        heads["seq"] = self._seq
+        buf[self.rank * size : (self.rank + 1) * size] = slot
+        self._pending = {s: deque(q) for s, q in streams.items()}
+        for _s, q in self._pending.items():  # the sub-slots and slots in the streams carry the call number too
+            for i, v in enumerate(q):
+                if v.nbytes == size and bytes(v[:4]) == _frame.MAGIC:
+                    patched = bytearray(v)
+                    np.frombuffer(patched, dtype=_frame._header_dtype(size), count=1)["seq"] = self._seq
+                    q[i] = memoryview(patched)
+        self.posts += 2 * max(1, (self.world_size - 1).bit_length()) if self.world_size > 4 else 1
+        self.transport_s += time.thread_time() - t0
+        return memoryview(buf)
+
+    def _exchange(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]],
+                  timeout: float | None) -> None:
+        t0 = time.thread_time()
+        super()._exchange(sends, recvs, timeout)
+        self.posts += len(sends) + len(recvs)
+        self.transport_s += time.thread_time() - t0
+
+    def _alltoallv(self, send: torch.Tensor, send_counts: list[int], recv: torch.Tensor, recv_counts: list[int],
+                   timeout: float | None) -> None:
+        t0 = time.thread_time()
+        super()._alltoallv(send, send_counts, recv, recv_counts, timeout)
+        self.posts += 1 - sum(1 for c in send_counts + recv_counts if c)  # one native post, not the p2p ones
+        self.transport_s += time.thread_time() - t0
+
+
+def call(comm: Any, op: str, obj: Any, objs: list[Any]) -> Callable[[], Any]:
+    if op == "all_gather":
+        return lambda: comm.all_gather(obj)
+    if op == "gather":
+        return lambda: comm.gather(obj, dst=0)
+    if op == "broadcast":
+        return lambda: comm.broadcast(obj, src=0)
+    return lambda: comm.scatter(objs if comm.rank == 0 else None, src=0)
+
+
+def distcomm_time(world: int, rank: int, op: str, name: str, reps: int) -> tuple[float, int]:
+    comm = SimCommunicator(rank, world, name)
+    fn = call(comm, op, comm.objs[rank], comm.objs)
+    fn()  # records the peers
+    times, posts = [], 0
+    for _ in range(reps):
+        comm.transport_s, comm.posts = 0.0, 0
+        t0 = time.thread_time()
+        fn()
+        times.append(time.thread_time() - t0 - comm.transport_s)
+        posts = comm.posts
+    return statistics.median(times), posts
+
+
+def torch_time(world: int, rank: int, op: str, name: str, reps: int) -> float | None:
+    """torch's Python for one call on the fake process group; None where the fake group can't run it
+    (its broadcast and scatter hallucinate what non-roots receive, which they then fail to use)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        obj = payload(name, rank)
+        objs = [payload(name, r) for r in range(world)] if op == "scatter" else []
+
+        def run() -> None:
+            if op == "all_gather":
+                dist.all_gather_object([None] * world, obj)
+            elif op == "gather":
+                dist.gather_object(obj, [None] * world if rank == 0 else None, dst=0)
+            elif op == "broadcast":
+                dist.broadcast_object_list([obj], src=0)
+            else:
+                dist.scatter_object_list([None], objs if rank == 0 else None, src=0)
+
+        try:
+            run()
+        except Exception:  # garbage sizes or an empty stream: the fake group's hallucinated transfer
+            return None
+        times = []
+        for _ in range(reps):
+            t0 = time.thread_time()
+            run()
+            times.append(time.thread_time() - t0)
+        return statistics.median(times)
+    finally:
+        dist.destroy_process_group()
+
+
+def ms(x: float) -> str:
+    return f"{x * 1e3:.2f} ms" if x < 1 else f"{x:.2f} s"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--world", type=int, nargs="+", default=[2, 8, 64, 256, 1024])
+    ap.add_argument("--op", choices=OPS, action="append")
+    ap.add_argument("--payload", choices=PAYLOADS, action="append")
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+    print("| payload | op | world | distcomm | torch | distcomm/torch | transport posts (distcomm, max rank) |")
+    print("|---|---|---|---|---|---|---|")
+    for name in args.payload or PAYLOADS:
+        for op in args.op or OPS:
+            for world in args.world:
+                ours, posts = zip(*(distcomm_time(world, r, op, name, args.reps) for r in (0, 1)), strict=True)
+                got = [t for t in (torch_time(world, r, op, name, args.reps) for r in (0, 1)) if t is not None]
+                theirs = max(got)
+                note = "" if len(got) == 2 else " (root only)"
+                print(f"| {name} | {op} | {world} | {ms(max(ours))} | {ms(theirs)}{note} | "
+                      f"{max(ours) / theirs:.2f} | {max(posts)} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
