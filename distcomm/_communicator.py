@@ -3,19 +3,24 @@
 A collective runs in up to three steps, the same on every rank:
 
 1. Every rank serializes its object into segments and all-gathers one fixed-size *slot*: a header
-   (op, sequence number, root, status, digest), the sizes of its segments, and the segments that
-   fit. Small objects are done here, in one round trip. Every rank now knows every rank's sizes,
-   failures and what it called, so all ranks take the same decision: raise the same error, or go on.
+   (op, sequence number, root, status, digest), the sizes of its segments, and in small worlds the
+   segments that fit (small objects are then done in one round trip). Every rank now knows every
+   rank's sizes, failures and what it called, so all ranks take the same decision: raise the same
+   error, or go on. Small worlds exchange ``slot_bytes`` slots in one step; larger ones exchange
+   64-byte header slots with Bruck's all-gather (log2(world) messages per rank).
 2. Segments that did not fit move into buffers of their exact size, sent from the sender's own
-   memory. Nobody pads to the largest rank; a rank that needs nothing gets nothing. They move in one
-   all-to-all with per-rank sizes when that costs no copy or only small ones (every rank decides
-   alike, from the slots), else point to point.
+   memory. Nobody pads to the largest rank; a rank that needs nothing gets nothing. Who sends what
+   to whom is computed per op in closed form, O(world): all_gather and gather in one all-to-all when
+   that costs no copy or only small ones (every rank decides alike, from the slots), else point to
+   point; broadcast down a binary tree in pipelined chunks; scatter as a slot per receiver with that
+   receiver's part only, then the part.
 3. Each receiver deserializes; out-of-band buffers become the results' memory. Python's cyclic
    garbage collector waits while large results load.
 
-Subclasses only move bytes: ``_allgather_slots``, ``_exchange`` (point to point), ``_reduce_tensor``
-and optionally ``_alltoallv`` (a native all-to-all; the default goes through ``_exchange``) and
-``_device_barrier``. The in-process test world implements the same, so unit tests run this very code.
+Subclasses only move bytes: ``_exchange`` (point to point), ``_reduce_tensor``, and optionally
+``_allgather_small`` (the small-world slot exchange), ``_alltoallv`` (a native all-to-all; the
+defaults go through ``_exchange``) and ``_device_barrier``. The in-process test world implements the
+same, so unit tests run this very code.
 """
 
 from __future__ import annotations

@@ -15,23 +15,24 @@ def test_local() -> None:
         check(exercise(comm), local=(0, 1))
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("world_size", [1, 2, 4, 8])
 def test_fake_every_rank(world_size: int) -> None:
     for rank in range(world_size):
         comm = FakeCommunicator(rank, world_size, peers=peers)
         check(exercise(comm), local=(rank, world_size))
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, 4, 8])
 def test_threaded(world_size: int) -> None:
     results = run_threaded(exercise, world_size, timeout=60)
     for r, result in enumerate(results):
         check(result, local=(r, world_size))
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, 4, 8])
 def test_gloo(world_size: int) -> None:
-    results = spawn(exercise, world_size, timeout=120)
+    """8 processes: beyond small worlds (header slots, Bruck's all-gather, tree broadcast, scatter slots)."""
+    results = spawn(exercise, world_size, timeout=180)
     for r, result in enumerate(results):
         check(result, local=(r, world_size))
 

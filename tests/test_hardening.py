@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import struct
 import threading
 from typing import Any
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 import distcomm
+from distcomm import _frame
 from distcomm.testing import FakeCommunicator, run_threaded, spawn
 from tests.test_faults import outcome
 
@@ -118,3 +120,26 @@ def test_errors_are_whole_and_alike_in_a_large_world(world: str) -> None:
         assert mism[0] == "CollectiveMismatchError" and "rank 0: gather root=1" in mism[1]
         assert after == list(range(8))
     assert len({first[1] for first, _, _ in out}) == 1
+
+
+class _Forger(FakeCommunicator):
+    """Rank 1 of 2 announces a segment of 2**60 bytes: more than any machine's memory."""
+
+    def _peer_slot(self, r: int, size: int) -> bytearray:
+        op, root, _ = self._ctx
+        slot = bytearray(size)
+        _frame.HEADER.pack_into(slot, 0, _frame.MAGIC, _frame.VERSION, _frame.OK, op, 0, self._seq, root,
+                                1, 1, 0, 1 << 60)
+        struct.pack_into("<Iq", slot, _frame.HEADER_SIZE, 1, 1 << 60)
+        return slot
+
+
+def test_absurd_announced_size_is_refused_before_allocating() -> None:
+    comm = _Forger(0, 2)
+    with pytest.raises(distcomm.PayloadTooLargeError, match="more than this machine's memory"):
+        comm.all_gather("x")
+    assert "broken" in repr(comm)  # only this rank could tell: its peers are already past the slots
+    capped = _Forger(0, 2, max_bytes=1 << 20)  # a shared limit: refused alike, and still usable
+    with pytest.raises(distcomm.PayloadTooLargeError, match="over max_bytes"):
+        capped.all_gather("x")
+    assert "open" in repr(capped)
