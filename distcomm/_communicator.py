@@ -408,7 +408,8 @@ class Communicator(abc.ABC):
             )
 
     def _mark_broken(self, why: str) -> None:
-        self._broken = why
+        if self._broken is None:  # the first failure is the one worth naming
+            self._broken = why
 
     def _op_timeout(self, timeout: float | datetime.timedelta | None) -> float | None:
         return _seconds(timeout, self._timeout)
@@ -661,8 +662,8 @@ class Communicator(abc.ABC):
             packed = [[memoryview(_frame.pack(p))] for p in parts]
         try:
             return _frame.encode(op, seq, root, digest, packed, size, flags=_frame.PACKED), packed
-        except ValueError:
-            message = f"{len(parts)} parts don't fit a slot of {size} bytes"
+        except ValueError:  # a status slot whose message fits (so nothing follows it)
+            message = f"{len(parts)} parts don't fit a slot of {size} bytes"[: size - _frame.HEADER_SIZE]
             return _frame.encode_status(_frame.INVALID, op, seq, root, message, size), []
 
     def _run(
@@ -688,7 +689,7 @@ class Communicator(abc.ABC):
             status, message = _frame.INVALID, invalid
         elif serialize:
             parts, status, message = self._serialize_local(op, root, obj)
-            if status == _frame.OK and self.max_bytes is not None:
+            if status == _frame.OK and self.max_bytes is not None and op is not _SETUP:  # set-up precedes agreement
                 total = sum(s.nbytes for p in parts for s in p)
                 if total > self.max_bytes:
                     status, message = _frame.TOO_LARGE, f"payload of {total} bytes is over max_bytes={self.max_bytes}"
@@ -734,22 +735,13 @@ class Communicator(abc.ABC):
             st.transfer_s += time.perf_counter() - t1
             return []
 
-        if op is _BROADCAST:
-            got = self._tree_broadcast(root, slots[root], parts, timeout)
-            incoming = {root: got} if self.rank != root else {}
-            packed = {root: bool(slots[root].header.flags & _frame.PACKED)}
-        else:
-            if op is _SCATTER:
-                slots = self._deliver_scatter_slots(op, seq, root, subs, size, timeout)
-            plan = self._plan(op, root, parts, tables, slots)
-            if plan.recv_buf is not None:
-                sends = [t for _, t in plan.sends]
-                send = sends[0] if len(sends) == 1 else torch.cat(sends) if sends else torch.empty(0, dtype=torch.uint8)
-                self._count(sum(plan.send_counts), sum(plan.recv_counts))
-                self._alltoallv(send, plan.send_counts, plan.recv_buf, plan.recv_counts, timeout)
-            elif plan.sends or plan.recvs:
-                self._xchg(plan.sends, plan.recvs, timeout)
-            incoming, packed = plan.incoming, plan.packed
+        try:
+            incoming, packed = self._step2(op, seq, root, parts, tables, slots, subs, size, timeout)
+        except BaseException as e:
+            # Whatever stops this rank here (a corrupt table only it decodes, memory, Ctrl-C) leaves
+            # its peers mid-transfer: the ranks no longer agree on what was sent.
+            self._mark_broken(f"{op.label} #{seq}: {type(e).__name__} while moving data: {str(e)[:160]}")
+            raise
         t2 = time.perf_counter()
         st.transfer_s += t2 - t1
 
@@ -770,6 +762,27 @@ class Communicator(abc.ABC):
             _CUDA_TARGET.reset(token)
         st.deserialize_s += time.perf_counter() - t2
         return results
+
+    def _step2(
+        self, op: Op, seq: int, root: int, parts: list[list[memoryview]],
+        tables: list[list[tuple[int, memoryview | None]]], slots: _Slots, subs: list[bytearray], size: int,
+        timeout: float | None,
+    ) -> tuple[dict[int, list[_Seg]], dict[int, bool]]:
+        """Move what didn't fit the slots; returns the segments received, per source, and which were packed."""
+        if op is _BROADCAST:
+            got = self._tree_broadcast(root, slots[root], parts, timeout)
+            return ({root: got} if self.rank != root else {}), {root: bool(slots[root].header.flags & _frame.PACKED)}
+        if op is _SCATTER:
+            slots = self._deliver_scatter_slots(op, seq, root, subs, size, timeout)
+        plan = self._plan(op, root, parts, tables, slots)
+        if plan.recv_buf is not None:
+            sends = [t for _, t in plan.sends]
+            send = sends[0] if len(sends) == 1 else torch.cat(sends) if sends else torch.empty(0, dtype=torch.uint8)
+            self._count(sum(plan.send_counts), sum(plan.recv_counts))
+            self._alltoallv(send, plan.send_counts, plan.recv_buf, plan.recv_counts, timeout)
+        elif plan.sends or plan.recvs:
+            self._xchg(plan.sends, plan.recvs, timeout)
+        return plan.incoming, plan.packed
 
     # ------------------------------------------------------------------ moving bytes, counted
     def _count(self, sent: int, received: int) -> None:
@@ -955,7 +968,7 @@ class Communicator(abc.ABC):
             )
         bad = heads["status"] != _frame.OK
         if not bad.any():
-            if self.max_bytes is not None:  # a peer that skipped its own check: refused alike everywhere
+            if self.max_bytes is not None and op is not _SETUP:  # a peer that skipped its check: refused alike
                 over = np.flatnonzero(heads["total"] > self.max_bytes).tolist()
                 if over:
                     raise PayloadTooLargeError(
@@ -1054,7 +1067,8 @@ class Communicator(abc.ABC):
                 plan.sends.append((dst, t))
                 plan.send_counts[dst] += t.numel()
         # what I receive: each source's part meant for me, into exact-size buffers (with an
-        # all-to-all: views of one buffer, each source's segments in turn, each at an aligned offset)
+        # all-to-all: views of one buffer, each source's segments back to back; _load copies an
+        # out-of-band buffer that lands unaligned)
         wanted = []
         for src, slot, p in sources:
             theirs = slot.parts

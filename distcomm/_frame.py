@@ -35,7 +35,7 @@ import numpy as np
 from ._errors import FrameError
 
 MAGIC = b"DCM1"
-VERSION = 1
+VERSION = 2
 HEADER = struct.Struct("<4sBBBBqiIIQq")
 HEADER_SIZE = HEADER.size
 MIN_SLOT = 256
@@ -216,8 +216,10 @@ def headers(raw: memoryview | bytes | bytearray, count: int, slot_size: int) -> 
     Python decodes. Raises FrameError naming the first slot that is not a well-formed header.
     """
     arr = np.frombuffer(raw, dtype=_header_dtype(slot_size), count=count)
+    ok = arr["status"] == OK
+    table = HEADER_SIZE + 4 * arr["nparts"].astype(np.int64) + 8 * arr["nsegs"].astype(np.int64)
     bad = ((arr["magic"] != MAGIC) | (arr["version"] != VERSION) | (arr["status"] > INVALID)
-           | (arr["total"] < 0))
+           | (arr["total"] < 0) | (ok & (table > slot_size)))
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         decode(memoryview(raw)[i * slot_size : (i + 1) * slot_size])  # raises the precise FrameError

@@ -143,3 +143,24 @@ def test_absurd_announced_size_is_refused_before_allocating() -> None:
     with pytest.raises(distcomm.PayloadTooLargeError, match="over max_bytes"):
         capped.all_gather("x")
     assert "open" in repr(capped)
+
+
+class _Overrun(FakeCommunicator):
+    """Peers announce an inline segment longer than their slot: a table only a receiver decodes."""
+
+    def _peer_slot(self, r: int, size: int) -> bytearray:
+        op, root, _ = self._ctx
+        slot = bytearray(size)
+        _frame.HEADER.pack_into(slot, 0, _frame.MAGIC, _frame.VERSION, _frame.OK, op, 0, self._seq, root,
+                                1, 1, 0, 100)
+        struct.pack_into("<Iq", slot, _frame.HEADER_SIZE, 1, -(100 + 1))
+        return slot
+
+
+def test_failure_only_this_rank_sees_after_the_slots_marks_the_communicator_broken() -> None:
+    comm = _Overrun(0, 8)  # beyond 4 ranks only gather's root decodes its peers' tables
+    with pytest.raises(distcomm.FrameError, match="runs past the end"):
+        comm.gather("x", dst=0)
+    assert "broken" in repr(comm)
+    with pytest.raises(distcomm.CommunicatorStateError, match="while moving data"):
+        comm.gather("x", dst=0)
