@@ -9,11 +9,15 @@ See the README for the whole API, the trust model and the performance figures.
 
 from __future__ import annotations
 
+from typing import Any as _Any
+
 from ._api import (
     all_gather,
     all_reduce_dict,
     broadcast,
+    create_local_process_group,
     gather,
+    get_local_process_group,
     get_local_rank,
     get_local_size,
     get_rank,
@@ -46,6 +50,14 @@ from ._torch import GlooCommunicator, NcclCommunicator
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str) -> _Any:
+    # The reference module's global, read through the active communicator: code that reads
+    # ``comm._LOCAL_PROCESS_GROUP`` gets the local group of the communicator in use.
+    if name == "_LOCAL_PROCESS_GROUP":
+        return current().local_group
+    raise AttributeError(f"module 'distcomm' has no attribute {name!r}")
+
 __all__ = [
     "CollectiveError",
     "CollectiveMismatchError",
@@ -70,9 +82,11 @@ __all__ = [
     "all_gather",
     "all_reduce_dict",
     "broadcast",
+    "create_local_process_group",
     "current",
     "free_port",
     "gather",
+    "get_local_process_group",
     "get_local_rank",
     "get_local_size",
     "get_rank",

@@ -19,7 +19,9 @@ __all__ = [
     "all_gather",
     "all_reduce_dict",
     "broadcast",
+    "create_local_process_group",
     "gather",
+    "get_local_process_group",
     "get_local_rank",
     "get_local_size",
     "get_rank",
@@ -62,6 +64,17 @@ def get_local_size() -> int:
     if _dist_on() and "LOCAL_WORLD_SIZE" in os.environ:
         return int(os.environ["LOCAL_WORLD_SIZE"])
     return current().local_size
+
+
+def create_local_process_group(num_workers_per_machine: int) -> None:
+    """Group ranks by machine as ``rank // num_workers_per_machine`` (for processes started
+    without launch() or torchrun). Collective; see Communicator.create_local_groups."""
+    current().create_local_groups(num_workers_per_machine)
+
+
+def get_local_process_group() -> Any:
+    """The torch process group of the ranks on this machine (None in a world without one)."""
+    return current().local_group
 
 
 def is_main_process() -> bool:

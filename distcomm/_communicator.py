@@ -225,10 +225,20 @@ def _work_dtype(values: Iterable[Any]) -> torch.dtype:
     return torch.complex128 if any(isinstance(v, torch.Tensor) and v.is_complex() for v in values) else torch.float64
 
 
-def _reduce_digest(names: Sequence[Any], work_dtype: torch.dtype) -> int:
-    """An 8-byte digest of reduce_dict's sorted keys and reduce dtype, compared across ranks."""
-    text = repr([*names, ("reduce dtype", str(work_dtype))])
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+def _digest(value: Any) -> int:
+    """An 8-byte digest of ``repr(value)``, compared across ranks in the first exchange."""
+    return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little")
+
+
+def _dict_signature(d: Mapping[Any, Any]) -> tuple[list[Any], list[tuple[int, ...]], torch.dtype]:
+    """reduce_dict's sorted keys, each value's shape, and the dtype every rank reduces in."""
+    names = sorted(d)
+    return names, [tuple(torch.as_tensor(d[k]).shape) for k in names], _work_dtype(d.values())
+
+
+def _reduce_digest(names: Sequence[Any], shapes: Sequence[tuple[int, ...]], work_dtype: torch.dtype) -> int:
+    """The digest of reduce_dict's keys, shapes and reduce dtype, compared across ranks."""
+    return _digest([*zip(names, shapes, strict=True), ("reduce dtype", str(work_dtype))])
 
 
 class Communicator(abc.ABC):
@@ -287,6 +297,7 @@ class Communicator(abc.ABC):
         self._cur = OpStats()  # the counters of the collective in progress
         # communicators over other groups that the module helpers' group= argument asked for
         self._children: dict[Any, Communicator] = {}
+        self._local = (0, 1)  # (local rank, local size)
 
     # ------------------------------------------------------------------ identity
     @property
@@ -302,12 +313,42 @@ class Communicator(abc.ABC):
     @property
     def local_rank(self) -> int:
         """This process's rank among the ranks on its machine."""
-        return 0
+        return self._local[0]
 
     @property
     def local_size(self) -> int:
         """Number of ranks on this process's machine."""
-        return 1
+        return self._local[1]
+
+    @property
+    def group(self) -> Any:
+        """The torch process group of this communicator's ranks (None where there is none)."""
+        return None
+
+    @property
+    def local_group(self) -> Any:
+        """The torch process group of the ranks on this machine (None where there is none)."""
+        return None
+
+    def create_local_groups(self, num_workers_per_machine: int) -> None:
+        """Regroup ranks by machine as ``rank // num_workers_per_machine``, for processes started
+        without launch() or torchrun, where host names don't tell machines apart.
+
+        Collective: every rank must call it with the same number, which must divide world_size.
+        ``local_rank``, ``local_size`` and ``local_group`` then follow the new grouping.
+        """
+        n = num_workers_per_machine
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"num_workers_per_machine must be an int >= 1, got {n!r}")
+        if self.world_size % n:
+            raise ValueError(f"num_workers_per_machine={n} does not divide world_size {self.world_size}")
+        self._check_usable()
+        self._set_machines([list(range(m, m + n)) for m in range(0, self.world_size, n)])
+
+    def _set_machines(self, machines: list[list[int]]) -> None:
+        """Take ``machines`` (the ranks of each machine, in order) as the local grouping."""
+        mine = next(m for m in machines if self.rank in m)
+        self._local = (mine.index(self.rank), len(mine))
 
     @property
     def is_main_process(self) -> bool:
@@ -530,10 +571,12 @@ class Communicator(abc.ABC):
         self, input_dict: Mapping[Any, torch.Tensor], average: bool = True, *,
         timeout: float | datetime.timedelta | None = None,
     ) -> dict[Any, torch.Tensor]:
-        """Sum (or average) a dict of scalar tensors onto rank 0, in one collective.
+        """Sum (or average) a dict of tensors onto rank 0, element-wise, in one collective.
 
-        Every rank must call it with the same keys. Rank 0 gets the reduced dict (keys sorted);
-        other ranks get their input back unchanged. Key sets that differ raise on every rank.
+        Every rank must call it with the same keys, and each key's tensor with the same shape on
+        every rank (any shape; scalars are the usual case). Rank 0 gets the reduced dict (keys
+        sorted); other ranks get their input back unchanged. Key sets or shapes that differ raise
+        CollectiveMismatchError on every rank, naming the keys and ranks.
         """
         return self._reduce_dict(input_dict, average, 0, timeout)
 
@@ -551,7 +594,7 @@ class Communicator(abc.ABC):
     ) -> dict[Any, torch.Tensor]:
         self._check_usable()
         if not isinstance(input_dict, Mapping):
-            raise TypeError(f"reduce_dict needs a dict of scalar tensors, got {type(input_dict).__name__}")
+            raise TypeError(f"reduce_dict needs a dict of tensors, got {type(input_dict).__name__}")
         if not isinstance(average, bool):
             raise TypeError(f"average must be a bool, got {type(average).__name__}")
         t = self._op_timeout(timeout)
@@ -564,10 +607,7 @@ class Communicator(abc.ABC):
         for k in names:
             v = input_dict[k]
             if not isinstance(v, torch.Tensor):
-                problem = f"value of {k!r} is a {type(v).__name__}, not a scalar tensor"
-                break
-            if v.numel() != 1:
-                problem = f"value of {k!r} has shape {tuple(v.shape)}, not a scalar"
+                problem = f"value of {k!r} is a {type(v).__name__}, not a tensor"
                 break
         if problem is None and len({input_dict[k].device for k in names}) > 1:
             problem = "values are on different devices"
@@ -577,17 +617,21 @@ class Communicator(abc.ABC):
             return {k: input_dict[k] for k in names}
         # Every rank reduces in the same dtype whatever its values' dtypes (float64, exact for float32
         # and for integers below 2**53; complex128 when the dicts hold complex values), and the
-        # digest that the first exchange compares covers the keys and that choice.
-        work_dtype = _work_dtype(input_dict.values()) if problem is None else torch.float64
-        self._run(op, -1 if dst is None else dst, None, t, serialize=False,
-                  digest=_reduce_digest(names, work_dtype), invalid=problem,
-                  on_digest_mismatch=lambda: self._key_mismatch(names, work_dtype, t))
+        # digest that the first exchange compares covers the keys, their shapes and that choice.
+        shapes: list[tuple[int, ...]] = []
+        work_dtype, digest = torch.float64, 0  # with a problem every rank raises before the digests count
+        if problem is None:
+            names, shapes, work_dtype = _dict_signature(input_dict)
+            digest = _reduce_digest(names, shapes, work_dtype)
+        self._run(op, -1 if dst is None else dst, None, t, serialize=False, digest=digest, invalid=problem,
+                  on_digest_mismatch=lambda: self._key_mismatch(names, shapes, work_dtype, t))
         if not names:
             return {}
         with torch.no_grad():
-            values = torch.stack([input_dict[k].detach().reshape(()).to(work_dtype) for k in names])
+            flat = [input_dict[k].detach().reshape(-1).to(work_dtype) for k in names]
+            values = flat[0].clone() if len(flat) == 1 else torch.cat(flat)
             orig = values.device
-            work = values.to(self.device) if values.device != self.device else values.clone()
+            work = values.to(self.device) if values.device != self.device else values
             st = self._stat(op)
             t0 = time.perf_counter()
             # what a ring reduction moves per rank: 2 (world - 1) / world of the values, each way
@@ -600,18 +644,22 @@ class Communicator(abc.ABC):
             if average:
                 work /= self.world_size
             work = work.to(orig)
-        out = {}
-        for i, k in enumerate(names):
-            v, dt = work[i].reshape(input_dict[k].shape), input_dict[k].dtype
+        out, at = {}, 0
+        for k, shape in zip(names, shapes, strict=True):
+            dt = input_dict[k].dtype
+            n = math.prod(shape)
+            v = work[at : at + n].reshape(shape)
+            at += n
             # sums keep each value's dtype; averages of integers become the default float dtype
             keep = not average or dt.is_floating_point or dt.is_complex
             out[k] = v.to(dt if keep else torch.get_default_dtype())
         return out
 
-    def _key_mismatch(self, names: list[Any], work_dtype: torch.dtype, timeout: float | None) -> None:
-        infos = self._run(Op.KEYS, -1, ([repr(k) for k in names], str(work_dtype)), timeout)
-        everyone = [keys for keys, _ in infos]
-        kinds = [kind for _, kind in infos]
+    def _key_mismatch(self, names: list[Any], shapes: list[tuple[int, ...]], work_dtype: torch.dtype,
+                      timeout: float | None) -> None:
+        infos = self._run(Op.KEYS, -1, ([repr(k) for k in names], shapes, str(work_dtype)), timeout)
+        everyone = [keys for keys, _, _ in infos]
+        kinds = [kind for _, _, kind in infos]
         if len(set(kinds)) > 1:
             complex_ranks = [r for r, kind in enumerate(kinds) if "complex" in kind]
             raise CollectiveMismatchError(
@@ -623,9 +671,17 @@ class Communicator(abc.ABC):
             missing = [k for k in union if k not in ks]
             if missing:
                 lines.append(f"  rank {r} lacks {', '.join(missing)}")
+        if lines:
+            raise CollectiveMismatchError(
+                "reduce_dict: the ranks' dicts have different keys:\n" + "\n".join(lines),
+                op="reduce_dict", ranks=[r for r, ks in enumerate(everyone) if set(ks) != set(union)],
+            )
+        table = [dict(zip(ks, map(tuple, shp), strict=True)) for ks, shp, _ in infos]
+        odd_keys = [k for k in union if len({t[k] for t in table}) > 1]
+        lines = [f"  {k}: " + ", ".join(f"rank {r} {t[k]}" for r, t in enumerate(table)) for k in odd_keys]
         raise CollectiveMismatchError(
-            "reduce_dict: the ranks' dicts have different keys:\n" + "\n".join(lines),
-            op="reduce_dict", ranks=[r for r, ks in enumerate(everyone) if set(ks) != set(union)],
+            "reduce_dict: a key's tensors have different shapes on different ranks:\n" + "\n".join(lines),
+            op="reduce_dict", ranks=[r for r, t in enumerate(table) if any(t[k] != table[0][k] for k in odd_keys)],
         )
 
     # ------------------------------------------------------------------ the pipeline

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import socket
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -10,8 +11,9 @@ import cloudpickle
 import torch
 import torch.multiprocessing as mp
 
-from ._communicator import DEFAULT_TIMEOUT
+from ._communicator import DEFAULT_TIMEOUT, _seconds
 from ._context import use
+from ._local import LocalCommunicator
 
 __all__ = ["free_port", "launch"]
 
@@ -39,46 +41,70 @@ def _worker(
 
 def launch(
     main_func: Callable[..., Any],
-    num_processes_per_machine: int,
+    num_processes_per_machine: int | None = None,
     num_machines: int = 1,
     machine_rank: int = 0,
     dist_url: str | None = None,
-    backend: str = "gloo",
     args: Sequence[Any] = (),
-    timeout: float = DEFAULT_TIMEOUT,
+    timeout: float | datetime.timedelta = DEFAULT_TIMEOUT,
+    *,
+    backend: str | None = None,
+    num_gpus_per_machine: int | None = None,
 ) -> None:
-    """Spawn this machine's processes and run ``main_func(*args)`` in each.
+    """Start this machine's processes and run ``main_func(*args)`` in each.
+
+    The positional order is detectron2's ``launch(main_func, num_gpus_per_machine, num_machines,
+    machine_rank, dist_url, args, timeout)``, so a call written for it runs unchanged.
 
     Each process initializes torch.distributed, builds the matching communicator (gloo or nccl)
     with its local rank and size, installs it with ``use()``, calls ``main_func(*args)``, and
-    cleans up. ``main_func`` may be a lambda or closure (cloudpickle).
+    cleans up. ``main_func`` may be a lambda or closure (cloudpickle). A job of one process on one
+    machine runs ``main_func`` in the calling process, with a LocalCommunicator installed: no
+    process is started, nothing is pickled, breakpoints work.
 
     Args:
         main_func: the function each process runs.
-        num_processes_per_machine: processes on this machine.
+        num_processes_per_machine: processes on this machine (alias: ``num_gpus_per_machine=``).
         num_machines: machines in the job (each calls launch() with its machine_rank).
         machine_rank: this machine's index.
         dist_url: "tcp://host:port" of machine 0; None or "auto" picks a free local port (one
             machine only).
-        backend: "gloo" or "nccl".
         args: arguments for main_func.
-        timeout: seconds collectives (and set-up) wait for peers.
+        timeout: seconds (or a timedelta) collectives and set-up wait for peers; default 600 s
+            (detectron2's is 30 minutes).
+        backend: "gloo" or "nccl"; default nccl when CUDA is available, else gloo.
 
     Raises:
         torch.multiprocessing.ProcessRaisedException: a process raised; it carries the traceback.
     """
     if not callable(main_func):
         raise TypeError(f"main_func must be callable, got {type(main_func).__name__}")
+    if num_gpus_per_machine is not None:
+        if num_processes_per_machine is not None and num_processes_per_machine != num_gpus_per_machine:
+            raise TypeError("pass num_processes_per_machine or its alias num_gpus_per_machine, not both")
+        num_processes_per_machine = num_gpus_per_machine
+    if num_processes_per_machine is None:
+        raise TypeError("launch() needs num_processes_per_machine (or num_gpus_per_machine)")
     for name, value, low in (("num_processes_per_machine", num_processes_per_machine, 1),
                              ("num_machines", num_machines, 1), ("machine_rank", machine_rank, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     if machine_rank >= num_machines:
         raise ValueError(f"machine_rank={machine_rank} is out of range for num_machines={num_machines}")
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     if backend == "nccl" and not torch.cuda.is_available():
         raise RuntimeError("backend='nccl' needs CUDA and this machine has no CUDA device; use backend='gloo'")
+    if isinstance(args, (str, bytes)) or not isinstance(args, Sequence):
+        raise TypeError(f"args must be a tuple or list of main_func's arguments, got {type(args).__name__}")
+    seconds = _seconds(timeout, DEFAULT_TIMEOUT)
+    assert seconds is not None
+    if num_machines == 1 and num_processes_per_machine == 1:
+        with LocalCommunicator(timeout=seconds) as comm, use(comm):
+            main_func(*args)
+        return
     if dist_url in (None, "auto"):
         if num_machines != 1:
             raise ValueError("dist_url='auto' only works with num_machines=1; pass machine 0's tcp://host:port")
@@ -87,7 +113,7 @@ def launch(
     payload = cloudpickle.dumps((main_func, tuple(args)))
     mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
         _worker,
-        args=(payload, num_processes_per_machine, num_machines, machine_rank, dist_url, backend, float(timeout)),
+        args=(payload, num_processes_per_machine, num_machines, machine_rank, dist_url, backend, seconds),
         nprocs=num_processes_per_machine,
         join=True,
         start_method="spawn",

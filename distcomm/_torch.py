@@ -93,7 +93,6 @@ class _TorchCommunicator(Communicator):
             self._store = None
         self._token = ""
         self._local_group: Any = self._group
-        self._local_rank, self._local_size = 0, 1
         try:
             self._setup(_machine_key(machine))
         except BaseException:
@@ -128,13 +127,14 @@ class _TorchCommunicator(Communicator):
         self._check_settings([info[2] for info in infos])
         self._token = infos[0][1]
         keys = [info[0] for info in infos]
-        order = list(dict.fromkeys(keys))
-        for key in order:  # every rank creates every machine's group, in the same order
-            members = [r for r, k in enumerate(keys) if k == key]
-            group = self._group if len(order) == 1 else self._new_group(members, self._local_backend())
+        self._set_machines([[r for r, k in enumerate(keys) if k == key] for key in dict.fromkeys(keys)])
+
+    def _set_machines(self, machines: list[list[int]]) -> None:
+        super()._set_machines(machines)
+        for members in machines:  # every rank creates every machine's group, in the same order
+            group = self._group if len(machines) == 1 else self._new_group(members, self._local_backend())
             if self._rank in members:
                 self._local_group = group
-                self._local_rank, self._local_size = members.index(self._rank), len(members)
 
     # ------------------------------------------------------------------ identity
     @property
@@ -144,14 +144,6 @@ class _TorchCommunicator(Communicator):
     @property
     def world_size(self) -> int:
         return self._world
-
-    @property
-    def local_rank(self) -> int:
-        return self._local_rank
-
-    @property
-    def local_size(self) -> int:
-        return self._local_size
 
     @property
     def group(self) -> Any:
@@ -403,7 +395,7 @@ class NcclCommunicator(_TorchCommunicator):
         dev = self._requested_device
         count = torch.cuda.device_count()
         if dev is None:
-            device = torch.device("cuda", self._local_rank % count)
+            device = torch.device("cuda", self.local_rank % count)
         else:
             device = torch.device(dev) if not isinstance(dev, int) else torch.device("cuda", dev)
             if device.type != "cuda":

@@ -160,11 +160,9 @@ def test_bad_arguments_are_clear() -> None:
         comm.gather(1, dst="0")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="got 2 objects for world_size 1"):
         comm.scatter([1, 2])
-    with pytest.raises(TypeError, match="dict of scalar tensors"):
+    with pytest.raises(TypeError, match="dict of tensors"):
         comm.reduce_dict([1, 2])  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="not a scalar"):
-        comm.reduce_dict({"a": torch.ones(3)})
-    with pytest.raises(ValueError, match="not a scalar tensor"):
+    with pytest.raises(ValueError, match="not a tensor"):
         comm.reduce_dict({"a": 1.0})  # type: ignore[dict-item]
     with pytest.raises(ValueError, match="world_size must be"):
         FakeCommunicator(0, 0)

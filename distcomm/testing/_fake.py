@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from .. import _frame
-from .._communicator import Communicator, Op, _reduce_digest, _work_dtype
+from .._communicator import Communicator, Op, _dict_signature, _reduce_digest
 
 __all__ = ["Call", "FakeCommunicator"]
 
@@ -76,14 +76,6 @@ class FakeCommunicator(Communicator):
     @property
     def world_size(self) -> int:
         return self._size
-
-    @property
-    def local_rank(self) -> int:
-        return self._local[0]
-
-    @property
-    def local_size(self) -> int:
-        return self._local[1]
 
     # ------------------------------------------------------------------ recording
     def _record(self, op: str, args: dict[str, Any], fn: Callable[[], Any]) -> Any:
@@ -164,12 +156,11 @@ class FakeCommunicator(Communicator):
         if op in (Op.BARRIER, Op.REDUCE_DICT, Op.ALL_REDUCE_DICT):
             digest = 0
             if op is not Op.BARRIER:
-                d = self._peer_dicts[r]
-                digest = _reduce_digest(sorted(d), _work_dtype(d.values()))
+                digest = _reduce_digest(*_dict_signature(self._peer_dicts[r]))
             return _frame.encode(op, seq, root, digest, [], size)
         if op is Op.KEYS:
-            d = self._peer_dicts[r]
-            pobj: Any = ([repr(k) for k in sorted(d)], str(_work_dtype(d.values())))
+            names, shapes, work_dtype = _dict_signature(self._peer_dicts[r])
+            pobj: Any = ([repr(k) for k in names], shapes, str(work_dtype))
         else:
             pobj = self._peers(op.label, r, obj)
         if op is Op.SCATTER and r == root and (not isinstance(pobj, Sequence) or len(pobj) != self._size):
@@ -235,6 +226,6 @@ class FakeCommunicator(Communicator):
                 total += tensor
             else:
                 d = self._peer_dicts[r]
-                total += torch.stack([torch.as_tensor(d[k]).detach().reshape(()) for k in self._names]).to(tensor)
+                total += torch.cat([torch.as_tensor(d[k]).detach().reshape(-1) for k in self._names]).to(tensor)
         if dst is None or dst == self._rank:
             tensor.copy_(total)

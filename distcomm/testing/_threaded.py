@@ -116,6 +116,7 @@ class ThreadedCommunicator(Communicator):
         self._slot_gen = 0
         self._reduce_gen = 0
         self._holding = False
+        self._local = (rank, world.size)  # one machine
 
     @property
     def rank(self) -> int:
@@ -124,14 +125,6 @@ class ThreadedCommunicator(Communicator):
     @property
     def world_size(self) -> int:
         return self._world.size
-
-    @property
-    def local_size(self) -> int:
-        return self._world.size
-
-    @property
-    def local_rank(self) -> int:
-        return self._rank
 
     def _deadline(self, timeout: float | None) -> float | None:
         return None if timeout is None else time.monotonic() + timeout

@@ -1,0 +1,1 @@
+"""A miniature of a detectron2-style codebase whose ``utils/comm.py`` is distcomm."""
