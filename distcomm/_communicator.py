@@ -26,11 +26,13 @@ same, so unit tests run this very code.
 from __future__ import annotations
 
 import abc
+import contextlib
 import datetime
 import gc
 import hashlib
 import math
 import os
+import struct
 import threading
 import time
 import warnings
@@ -51,6 +53,7 @@ from ._errors import (
     PayloadTooLargeError,
     SerializationError,
 )
+from ._ops import FoldError, fold_objects, fold_tensors, object_op, tensor_op, tensor_problem
 from ._serialization import _CUDA_TARGET, Serializer, default_serializer
 
 __all__ = ["DEFAULT_TIMEOUT", "Communicator", "OpStats"]
@@ -72,7 +75,22 @@ class Op(IntEnum):
     SCATTER = 6
     REDUCE_DICT = 7
     ALL_REDUCE_DICT = 8
-    KEYS = 9
+    KEYS = 9  # reduce_dict's keys and shapes, exchanged on the error path only
+    ALL_REDUCE = 10
+    REDUCE = 11
+    BROADCAST_TENSOR = 12
+    ALL_GATHER_TENSOR = 13
+    REDUCE_SCATTER_TENSOR = 14
+    TENSOR_INFO = 15  # the tensors' dtypes and shapes, exchanged on the error path only
+    REDUCE_OBJECT = 16
+    ALL_REDUCE_OBJECT = 17
+    SCAN = 18
+    EXSCAN = 19
+    RESULT = 20  # an object reduction's outcome, from its root to every rank
+    RESULTS = 21  # a prefix reduction's outcomes, one per rank, from rank 0
+    ALL_TO_ALL = 22
+    SPLIT = 23
+    SHARED_RANDOM_SEED = 24
 
     @property
     def label(self) -> str:
@@ -86,6 +104,14 @@ _LABELS = {op: op.name.lower() for op in Op}
 # dominated by such per-call Python work.
 _ALL_GATHER, _GATHER, _BROADCAST, _SCATTER, _KEYS, _SETUP = (
     Op.ALL_GATHER, Op.GATHER, Op.BROADCAST, Op.SCATTER, Op.KEYS, Op.SETUP)
+
+# How each op's objects travel: like an all_gather, a gather to the root, a broadcast from it, or a
+# scatter from it. The slot carries the op itself, so ranks that call different ops still disagree.
+_ROUTE = {op: _ALL_GATHER for op in Op}
+_ROUTE.update({Op.GATHER: _GATHER, Op.REDUCE_OBJECT: _GATHER, Op.ALL_REDUCE_OBJECT: _GATHER, Op.SCAN: _GATHER,
+               Op.EXSCAN: _GATHER, Op.BROADCAST: _BROADCAST, Op.RESULT: _BROADCAST,
+               Op.SHARED_RANDOM_SEED: _BROADCAST, Op.SCATTER: _SCATTER,
+               Op.RESULTS: _SCATTER})
 
 
 @dataclass
@@ -239,6 +265,39 @@ def _dict_signature(d: Mapping[Any, Any]) -> tuple[list[Any], list[tuple[int, ..
 def _reduce_digest(names: Sequence[Any], shapes: Sequence[tuple[int, ...]], work_dtype: torch.dtype) -> int:
     """The digest of reduce_dict's keys, shapes and reduce dtype, compared across ranks."""
     return _digest([*zip(names, shapes, strict=True), ("reduce dtype", str(work_dtype))])
+
+
+_I64 = struct.Struct("<q")
+_NO_PAUSE = contextlib.nullcontext()
+
+
+def _tensor_fields(op: Op, tensor: Any, rop: str | None, problem: str | None) -> tuple[int, bytes]:
+    """A tensor collective's check: the digest of what must match across ranks, and the 8 bytes
+    that may differ (all_gather_tensor's first dimension)."""
+    if problem is not None:
+        return 0, bytes(8)
+    shape = tuple(tensor.shape)
+    if op is Op.ALL_GATHER_TENSOR:
+        return _digest((str(tensor.dtype), shape[1:], rop)), _I64.pack(shape[0] if shape else 1)
+    return _digest((str(tensor.dtype), shape, rop)), bytes(8)
+
+
+class _AllGather(torch.autograd.Function):
+    """all_gather_tensor with a backward pass: the result's gradient summed across ranks, this rank's rows."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, rows: list[int],
+                timeout: float | None) -> torch.Tensor:
+        ctx.comm, ctx.rows, ctx.timeout = comm, rows, timeout
+        return comm._gathered(x, rows, timeout)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        comm, rows = ctx.comm, ctx.rows
+        total = grad.contiguous().clone()
+        comm._tensor_reduce(total, None, "sum", ctx.timeout)
+        start = sum(rows[: comm.rank])
+        return total[start : start + rows[comm.rank]], None, None, None
 
 
 class Communicator(abc.ABC):
@@ -564,8 +623,12 @@ class Communicator(abc.ABC):
 
     def shared_random_seed(self, *, timeout: float | datetime.timedelta | None = None) -> int:
         """An int in [0, 2**31) that is the same on every rank (drawn by rank 0 from numpy's RNG)."""
+        self._check_usable()
+        t = self._op_timeout(timeout)
         seed = int(np.random.randint(2**31))
-        return int(self.broadcast(seed, src=0, timeout=timeout))
+        if self.world_size == 1:
+            return seed
+        return int(self._run(Op.SHARED_RANDOM_SEED, 0, seed, t)[0])
 
     def reduce_dict(
         self, input_dict: Mapping[Any, torch.Tensor], average: bool = True, *,
@@ -586,6 +649,400 @@ class Communicator(abc.ABC):
     ) -> dict[Any, torch.Tensor]:
         """Like reduce_dict, but every rank gets the reduced dict."""
         return self._reduce_dict(input_dict, average, None, timeout)
+
+    # ------------------------------------------------------------------ tensor collectives
+    # Every rank must pass a tensor of the same dtype and shape (all_gather_tensor: beyond the first
+    # dimension). With check=True (the default) the ranks first compare them in one small exchange,
+    # and every rank raises the same error, naming the ranks, instead of hanging or reducing
+    # mismatched memory. check=False skips that exchange for hot loops: then nothing compares dtypes,
+    # shapes, reduce ops or roots across ranks, and all_gather_tensor takes every rank's first
+    # dimension to be this rank's. Only all_gather_tensor takes part in autograd.
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", *, check: bool = True,
+                   timeout: float | datetime.timedelta | None = None) -> torch.Tensor:
+        """Reduce ``tensor`` across ranks, in place on every rank; returns it.
+
+        ``op``: "sum", "mean", "min", "max" or "prod". Every rank must call it.
+        """
+        return self._tensor_op(Op.ALL_REDUCE, -1, tensor, tensor_op(op), check, timeout)
+
+    def reduce(self, tensor: torch.Tensor, dst: int = 0, op: str = "sum", *, check: bool = True,
+               timeout: float | datetime.timedelta | None = None) -> torch.Tensor:
+        """Reduce ``tensor`` across ranks onto ``dst``, in place there; returns it.
+
+        Other ranks' tensors are left as they were. Every rank must call it.
+        """
+        self._check_root("dst", dst)
+        return self._tensor_op(Op.REDUCE, int(dst), tensor, tensor_op(op), check, timeout)
+
+    def broadcast_tensor(self, tensor: torch.Tensor, src: int = 0, *, check: bool = True,
+                         timeout: float | datetime.timedelta | None = None) -> torch.Tensor:
+        """Copy ``src``'s tensor into every rank's ``tensor`` (same dtype and shape); returns it."""
+        self._check_root("src", src)
+        return self._tensor_op(Op.BROADCAST_TENSOR, int(src), tensor, None, check, timeout)
+
+    def all_gather_tensor(self, tensor: torch.Tensor, *, check: bool = True,
+                          timeout: float | datetime.timedelta | None = None) -> torch.Tensor:
+        """Every rank's tensor concatenated along dim 0, in rank order, on every rank.
+
+        The first dimension may differ between ranks (with check=True); the rest and the dtype must
+        match. A 0-d tensor counts as one row. Differentiable: the gradient of the result is summed
+        across ranks and each rank gets its own rows', so every rank must run the backward pass.
+        """
+        return self._tensor_op(Op.ALL_GATHER_TENSOR, -1, tensor, None, check, timeout)
+
+    def reduce_scatter_tensor(self, tensor: torch.Tensor, op: str = "sum", *, check: bool = True,
+                              timeout: float | datetime.timedelta | None = None) -> torch.Tensor:
+        """Reduce ``tensor`` (dim 0 of world_size x n) across ranks; rank r gets the r-th n-slice."""
+        return self._tensor_op(Op.REDUCE_SCATTER_TENSOR, -1, tensor, tensor_op(op), check, timeout)
+
+    def _device_problem(self, tensor: torch.Tensor) -> str | None:
+        """Why this transport can't take ``tensor``'s device (None: it can)."""
+        return None
+
+    def _tensor_input_problem(self, op: Op, tensor: Any, rop: str | None) -> str | None:
+        """What is wrong with a rank's tensor for ``op`` (None: nothing); reported on every rank."""
+        problem = tensor_problem(tensor, rop)
+        if problem is None:
+            problem = self._device_problem(tensor)
+        world = self.world_size
+        if problem is None and op is Op.REDUCE_SCATTER_TENSOR and (tensor.dim() == 0 or tensor.shape[0] % world):
+            problem = f"dim 0 must be a multiple of world_size {world}, got shape {tuple(tensor.shape)}"
+        return problem
+
+    def _tensor_op(self, op: Op, root: int, tensor: torch.Tensor, rop: str | None, check: bool,
+                   timeout: float | datetime.timedelta | None) -> torch.Tensor:
+        self._check_usable()
+        if not isinstance(check, bool):
+            raise TypeError(f"check must be a bool, got {type(check).__name__}")
+        t = self._op_timeout(timeout)
+        world = self.world_size
+        problem = self._tensor_input_problem(op, tensor, rop)
+        if problem is not None and (world == 1 or not check):
+            raise (TypeError if not isinstance(tensor, torch.Tensor) else ValueError)(f"{op.label}: {problem}")
+        gathering = op is Op.ALL_GATHER_TENSOR
+        x = tensor.reshape(1) if gathering and tensor.dim() == 0 else tensor
+        if world == 1:
+            return x.clone() if gathering or op is Op.REDUCE_SCATTER_TENSOR else tensor
+        st = self._stat(op)
+        t0 = time.perf_counter()
+        if check:
+            counts = self._tensor_check(op, root, tensor, rop, problem, t)
+        else:
+            st.calls += 1
+            self._cur = st
+            counts = None
+        t1 = time.perf_counter()
+        nbytes = x.numel() * x.element_size()
+        differentiable = gathering and x.requires_grad and torch.is_grad_enabled()
+        out: torch.Tensor
+        with torch.no_grad():
+            if gathering:
+                rows = [int(n) for n in counts] if counts is not None else [x.shape[0]] * world
+                total = sum(rows) * (nbytes // max(x.shape[0], 1))
+                self._count(total - nbytes, total - nbytes)  # a ring's share: everyone else's rows, each way
+                if differentiable:
+                    with torch.enable_grad():
+                        out = _AllGather.apply(x, self, rows, t)  # type: ignore[no-untyped-call]
+                else:
+                    out = self._gathered(x, rows, t)
+            elif op is Op.REDUCE_SCATTER_TENSOR:
+                assert rop is not None
+                self._count(nbytes * (world - 1) // world, nbytes * (world - 1) // world)
+                out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
+                self._tensor_reduce_scatter(out, x.contiguous(), rop, t)
+                if rop == "mean":
+                    out.div_(world)
+            else:
+                out = tensor
+                receiver = op is not Op.REDUCE or self.rank == root
+                work = tensor if tensor.is_contiguous() and receiver else tensor.clone(
+                    memory_format=torch.contiguous_format)
+                if op is Op.BROADCAST_TENSOR:
+                    self._count(nbytes if self.rank == root else 0, 0 if self.rank == root else nbytes)
+                    self._tensor_broadcast(work, root, t)
+                else:
+                    assert rop is not None
+                    moved = 2 * (world - 1) * nbytes // world
+                    self._count(moved, moved)
+                    self._tensor_reduce(work, None if op is Op.ALL_REDUCE else root, rop, t)
+                    if rop == "mean" and receiver:
+                        work.div_(world)
+                if receiver and work is not tensor:
+                    tensor.copy_(work)
+        st.serialize_s += t1 - t0
+        st.transfer_s += time.perf_counter() - t1
+        return out
+
+    def _gathered(self, x: torch.Tensor, rows: list[int], timeout: float | None) -> torch.Tensor:
+        out = torch.empty((sum(rows), *x.shape[1:]), dtype=x.dtype, device=x.device)
+        self._tensor_all_gather(out, x.contiguous(), rows, timeout)
+        return out
+
+    def _tensor_check(self, op: Op, root: int, tensor: torch.Tensor, rop: str | None, problem: str | None,
+                      timeout: float | None) -> Any:
+        """Compare the ranks' dtypes, shapes and reduce ops in one exchange; all_gather_tensor's
+        first dimensions ride along (returned, per rank)."""
+        digest, inline = _tensor_fields(op, tensor, rop, problem)
+        return self._run(op, root, tensor, timeout, serialize=False, digest=digest, invalid=problem,
+                         inline=inline, on_digest_mismatch=lambda: self._tensor_mismatch(op, tensor, rop, timeout))
+
+    def _tensor_mismatch(self, op: Op, tensor: torch.Tensor, rop: str | None, timeout: float | None) -> None:
+        infos = self._run(Op.TENSOR_INFO, -1, (str(tensor.dtype), tuple(tensor.shape), rop), timeout, stat=op)
+        gathering = op is Op.ALL_GATHER_TENSOR
+
+        def key(info: tuple[str, tuple[int, ...], str | None]) -> Any:
+            return (info[0], tuple(info[1])[1:], info[2]) if gathering else info
+
+        odd = [r for r, info in enumerate(infos) if key(info) != key(infos[0])]
+        rows = "\n".join(f"  rank {r}: {dtype} {tuple(shape)}" + (f" op={o!r}" if o else "")
+                         for r, (dtype, shape, o) in enumerate(infos))
+        what = ("dtype and shape beyond the first dimension" if gathering else
+                "dtype, shape and op" if rop else "dtype and shape")
+        raise CollectiveMismatchError(
+            f"{op.label}: the ranks' tensors differ; every rank must pass the same {what}:\n{rows}",
+            op=op.label, ranks=odd)
+
+    # The tensor transport. These defaults move every rank's tensor to every rank through
+    # ``_gather_tensors`` (the test doubles' way); torch communicators run the native collectives.
+    def _gather_tensors(self, tensor: torch.Tensor, timeout: float | None) -> list[torch.Tensor]:
+        """Every rank's tensor, in rank order (this rank's own included)."""
+        raise NotImplementedError(f"{type(self).__name__} has no tensor transport")
+
+    def _tensor_reduce(self, tensor: torch.Tensor, dst: int | None, op: str, timeout: float | None) -> None:
+        """Reduce ``tensor`` in place onto ``dst`` (None: every rank); "mean" sums."""
+        values = self._gather_tensors(tensor, timeout)
+        if dst is None or dst == self.rank:
+            tensor.copy_(fold_tensors(values, op))
+
+    def _tensor_broadcast(self, tensor: torch.Tensor, src: int, timeout: float | None) -> None:
+        values = self._gather_tensors(tensor, timeout)
+        tensor.copy_(values[src])
+
+    def _tensor_all_gather(self, out: torch.Tensor, tensor: torch.Tensor, rows: list[int],
+                           timeout: float | None) -> None:
+        values = self._gather_tensors(tensor, timeout)
+        torch.cat(values, out=out)
+
+    def _tensor_reduce_scatter(self, out: torch.Tensor, tensor: torch.Tensor, op: str, timeout: float | None) -> None:
+        values = self._gather_tensors(tensor, timeout)
+        out.copy_(fold_tensors(values, op).chunk(self.world_size)[self.rank])
+
+    # ------------------------------------------------------------------ object reductions
+    def reduce_object(self, obj: Any, op: str | Callable[[Any, Any], Any], dst: int = 0, *,
+                      timeout: float | datetime.timedelta | None = None) -> Any:
+        """Reduce every rank's object onto ``dst`` in rank order: ``op(op(obj_0, obj_1), obj_2)``...
+
+        ``op``: a callable ``op(a, b)``, or "sum", "min", "max", "any", "all", "union" (sets and
+        dicts). Returns the result on ``dst`` and None elsewhere. If ``op`` raises, every rank
+        raises the same CollectiveError naming the rank whose object it failed on.
+        """
+        name, fn = object_op(op)
+        self._check_root("dst", dst)
+        return self._reduce_objects(Op.REDUCE_OBJECT, obj, name, fn, int(dst), timeout)
+
+    def all_reduce_object(self, obj: Any, op: str | Callable[[Any, Any], Any], *,
+                          timeout: float | datetime.timedelta | None = None) -> Any:
+        """Like reduce_object, with the result on every rank ("did any rank see NaN?": op="any")."""
+        name, fn = object_op(op)
+        return self._reduce_objects(Op.ALL_REDUCE_OBJECT, obj, name, fn, 0, timeout)
+
+    def scan(self, obj: Any, op: str | Callable[[Any, Any], Any], *,
+             timeout: float | datetime.timedelta | None = None) -> Any:
+        """Inclusive prefix reduction: rank r gets the reduction of ranks 0..r's objects, in rank order."""
+        name, fn = object_op(op)
+        return self._reduce_objects(Op.SCAN, obj, name, fn, 0, timeout)
+
+    def exscan(self, obj: Any, op: str | Callable[[Any, Any], Any], *,
+               timeout: float | datetime.timedelta | None = None) -> Any:
+        """Exclusive prefix reduction: rank r gets the reduction of ranks 0..r-1's objects; rank 0 gets None."""
+        name, fn = object_op(op)
+        return self._reduce_objects(Op.EXSCAN, obj, name, fn, 0, timeout)
+
+    def _reduce_objects(self, op: Op, obj: Any, name: str, fn: Callable[[Any, Any], Any], root: int,
+                        timeout: float | datetime.timedelta | None) -> Any:
+        # The objects are gathered on the root, which folds them in rank order and sends each rank
+        # its outcome: the result, or the fold's error so that every rank raises it.
+        self._check_usable()
+        t = self._op_timeout(timeout)
+        if self.world_size == 1:
+            return None if op is Op.EXSCAN else obj
+        objs = self._run(op, root, obj, t)
+        prefix = op is Op.SCAN or op is Op.EXSCAN
+        payload = self._fold_payload(op, objs, name, fn, root) if self.rank == root else None
+        mine = payload
+        if op is Op.REDUCE_OBJECT and payload is not None and payload[0]:
+            payload = (True, None)  # the others only need to know that it worked
+        if prefix:
+            outcome = self._run(Op.RESULTS, root, payload, t, stat=op)[self.rank]
+        else:
+            outcome = self._run(Op.RESULT, root, payload, t, stat=op)[root]
+            if self.rank == root:
+                outcome = mine
+        ok, value = outcome
+        if not ok:
+            text, bad = value
+            raise CollectiveError(text, op=op.label, ranks=[bad])
+        return None if op is Op.REDUCE_OBJECT and self.rank != root else value
+
+    def _fold_payload(self, op: Op, objs: list[Any], name: str, fn: Callable[[Any, Any], Any], root: int) -> Any:
+        """What the root of an object reduction sends: (ok, result), or per rank for prefix reductions."""
+        prefix = op is Op.SCAN or op is Op.EXSCAN
+        try:
+            folded = fold_objects(objs, fn, prefixes=prefix)
+        except FoldError as e:
+            failure = (False, (f"{op.label}: op {name!r} failed on rank {root} combining rank {e.rank}'s object: {e}",
+                               e.rank))
+            return [failure] * len(objs) if prefix else failure
+        if op is Op.SCAN:
+            return [(True, v) for v in folded]
+        if op is Op.EXSCAN:
+            return [(True, None)] + [(True, v) for v in folded[:-1]]
+        return (True, folded[0])
+
+    # ------------------------------------------------------------------ all_to_all
+    def all_to_all(self, objs: Sequence[Any], *, timeout: float | datetime.timedelta | None = None) -> list[Any]:
+        """Send ``objs[d]`` to rank d; returns the list of what each rank sent this one, by source.
+
+        Every rank must call it with world_size objects. This rank's own entry is ``objs[rank]``
+        itself. Each object travels from its sender straight to its receiver, out of band where large.
+        """
+        self._check_usable()
+        t = self._op_timeout(timeout)
+        world, me = self.world_size, self.rank
+        problem = None
+        if objs is None or isinstance(objs, (str, bytes)) or not isinstance(objs, Sequence):
+            problem = f"all_to_all needs a sequence of {world} objects, got {type(objs).__name__}"
+        elif len(objs) != world:
+            problem = f"all_to_all got {len(objs)} objects for world_size {world}"
+        if world == 1:
+            if problem:
+                raise ValueError(problem)
+            return [objs[0]]
+        st = self._stat(Op.ALL_TO_ALL)
+        t0 = time.perf_counter()
+        status, packed = _frame.INVALID, []
+        if problem is None:
+            try:
+                packed = [b"" if d == me else _frame.pack(self.serializer.dumps(o)) for d, o in enumerate(objs)]
+                status = _frame.OK
+            except Exception as e:  # reported on every rank
+                status, problem = _frame.SERIALIZE_FAILED, f"{type(e).__name__}: {e}"
+        if status == _frame.OK and self.max_bytes is not None:
+            total = sum(len(p) for p in packed)
+            if total > self.max_bytes:
+                status, problem = _frame.TOO_LARGE, f"payload of {total} bytes is over max_bytes={self.max_bytes}"
+        self._run(Op.ALL_TO_ALL, -1, objs, t, serialize=False, invalid=problem, invalid_status=status)
+        t1 = time.perf_counter()
+        seq = self._seq
+        try:
+            # the sizes first: 8 bytes to and from each peer (chunks lie back to back, in rank order)
+            counts = [0 if d == me else 8 for d in range(world)]
+            sizes = torch.tensor([len(p) for d, p in enumerate(packed) if d != me], dtype=torch.int64)
+            theirs = torch.zeros(world - 1, dtype=torch.int64)
+            self._count(8 * (world - 1), 8 * (world - 1))
+            self._alltoallv(sizes.view(torch.uint8), counts, theirs.view(torch.uint8), counts, t)
+            got = theirs.tolist()
+            got.insert(me, 0)
+            for src, n in enumerate(got):
+                if n < 0:
+                    raise FrameError(f"all_to_all #{seq}: rank {src} announced {n} bytes", op="all_to_all",
+                                     ranks=[src])
+                self._check_receivable(n, src, "all_to_all")
+            send = torch.frombuffer(bytearray(b"".join(packed)), dtype=torch.uint8) if any(packed) else \
+                torch.empty(0, dtype=torch.uint8)
+            recv = torch.empty(sum(got), dtype=torch.uint8)
+            self._count(send.numel(), recv.numel())
+            self._alltoallv(send, [len(p) for p in packed], recv, got, t)
+        except BaseException as e:
+            self._mark_broken(f"all_to_all #{seq}: {type(e).__name__} while moving data: {str(e)[:160]}")
+            raise
+        t2 = time.perf_counter()
+        out: list[Any] = [None] * world
+        out[me] = objs[me]
+        view, at = _mv(recv), 0
+        with _GCPause() if recv.numel() >= _GC_PAUSE_BYTES else _NO_PAUSE:
+            for src, n in enumerate(got):
+                if src != me:
+                    out[src] = self._load(Op.ALL_TO_ALL, seq, src, [(view[at : at + n], False)], True)
+                    at += n
+        st.serialize_s += t1 - t0
+        st.transfer_s += t2 - t1
+        st.deserialize_s += time.perf_counter() - t2
+        return out
+
+    # ------------------------------------------------------------------ sub-communicators
+    def split(self, color: int | None, key: int | None = None, *,
+              timeout: float | datetime.timedelta | None = None) -> Communicator | None:
+        """A communicator over the ranks that pass the same ``color`` (an int >= 0); None for None.
+
+        Collective: every rank calls it. The new ranks are ordered by ``key`` (default: this
+        rank), which must order them as their ranks here do: torch orders a process group's ranks
+        by global rank, so every communicator keeps that order. The new communicator is of this
+        communicator's class and settings, over a group created now; this communicator owns it and
+        closes it (closing it earlier is fine).
+        """
+        if color is not None and (isinstance(color, bool) or not isinstance(color, int) or color < 0):
+            raise ValueError(f"color must be an int >= 0 or None, got {color!r}")
+        if key is not None and (isinstance(key, bool) or not isinstance(key, int)):
+            raise TypeError(f"key must be an int or None, got {type(key).__name__}")
+        return self._split(color, self.rank if key is None else key, None, timeout)
+
+    def new_group(self, ranks: Sequence[int], *,
+                  timeout: float | datetime.timedelta | None = None) -> Communicator | None:
+        """A communicator over ``ranks`` (of this communicator), ordered by rank; None off them.
+
+        Collective: every rank of this communicator calls it with the same ranks.
+        """
+        if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Sequence):
+            raise TypeError(f"ranks must be a sequence of ints, got {type(ranks).__name__}")
+        members = []
+        for r in ranks:
+            if isinstance(r, bool) or not isinstance(r, (int, np.integer)):
+                raise TypeError(f"ranks must be ints, got {type(r).__name__}")
+            if not 0 <= r < self.world_size:
+                raise ValueError(f"rank {r} is out of range for world_size {self.world_size}")
+            members.append(int(r))
+        if len(set(members)) != len(members) or not members:
+            raise ValueError(f"ranks must be distinct and not empty, got {list(ranks)}")
+        members.sort()
+        return self._split(0 if self.rank in members else None, self.rank, tuple(members), timeout)
+
+    def _split(self, color: int | None, key: int, agree: tuple[int, ...] | None,
+               timeout: float | datetime.timedelta | None) -> Communicator | None:
+        self._check_usable()
+        t = self._op_timeout(timeout)
+        infos = [(color, key, agree)] if self.world_size == 1 else self._run(Op.SPLIT, -1, (color, key, agree), t)
+        label = "new_group" if agree is not None else "split"
+        if len({repr(a) for _, _, a in infos}) > 1:
+            rows = "\n".join(f"  rank {r}: {list(a) if a is not None else 'split'}"
+                             for r, (_, _, a) in enumerate(infos))
+            raise CollectiveMismatchError(f"{label}: the ranks asked for different groups:\n{rows}", op=label,
+                                          ranks=[r for r, (_, _, a) in enumerate(infos) if a != infos[0][2]])
+        groups: dict[int, list[int]] = {}
+        for r, (c, _, _) in enumerate(infos):
+            if c is not None:
+                groups.setdefault(c, []).append(r)
+        for c, members in groups.items():
+            keys = [infos[r][1] for r in members]
+            if keys != sorted(keys):
+                raise CollectiveError(
+                    f"{label}: the keys of color {c} order its ranks {sorted(members, key=lambda r: infos[r][1])}, "
+                    f"not by rank; a torch process group orders its ranks by global rank, so the keys must too",
+                    op=label, ranks=members)
+        ordered = [groups[c] for c in sorted(groups)]
+        mine = next((m for m in ordered if self.rank in m), None)
+        sub = self._make_sub(ordered, mine, t)
+        if sub is not None:
+            self._children[("sub", self._seq, id(sub))] = sub
+        return sub
+
+    def _sub_settings(self, timeout: float | None) -> dict[str, Any]:
+        return {"timeout": timeout, "serializer": self.serializer, "max_bytes": self.max_bytes,
+                "slot_bytes": self.slot_bytes, "receive_cuda_on": self.receive_cuda_on}
+
+    def _make_sub(self, groups: list[list[int]], mine: list[int] | None, timeout: float | None) -> Communicator | None:
+        """Create a communicator for each group (every rank, the same order); return this rank's."""
+        raise NotImplementedError(f"{type(self).__name__} can't create sub-communicators")
 
     # ------------------------------------------------------------------ reduce_dict
     def _reduce_dict(
@@ -657,7 +1114,8 @@ class Communicator(abc.ABC):
 
     def _key_mismatch(self, names: list[Any], shapes: list[tuple[int, ...]], work_dtype: torch.dtype,
                       timeout: float | None) -> None:
-        infos = self._run(Op.KEYS, -1, ([repr(k) for k in names], shapes, str(work_dtype)), timeout)
+        infos = self._run(Op.KEYS, -1, ([repr(k) for k in names], shapes, str(work_dtype)), timeout,
+                          stat=Op.REDUCE_DICT)
         everyone = [keys for keys, _, _ in infos]
         kinds = [kind for _, _, kind in infos]
         if len(set(kinds)) > 1:
@@ -695,6 +1153,7 @@ class Communicator(abc.ABC):
     ) -> tuple[list[list[memoryview]], int, str]:
         """Segments per part, plus a status and message when the rank can't take part."""
         rank = self.rank if rank is None else rank
+        op = _ROUTE[op]
         try:
             if op is _SCATTER:
                 if rank != root:
@@ -732,17 +1191,25 @@ class Communicator(abc.ABC):
         serialize: bool = True,
         digest: int = 0,
         invalid: str | None = None,
+        invalid_status: int = _frame.INVALID,
         on_digest_mismatch: Callable[[], None] | None = None,
         slot_size: int | None = None,
+        inline: bytes | None = None,
+        stat: Op | None = None,
     ) -> list[Any]:
-        """Run one collective; returns a list indexed by rank (entries this rank did not get: None)."""
-        st = self._stat(op)
+        """Run one collective; returns a list indexed by rank (entries this rank did not get: None).
+
+        ``inline``: with ``serialize=False``, 8 bytes every rank carries in its slot; the call then
+        returns every rank's 8 bytes as an int64. ``stat``: count this call under that op.
+        """
+        st = self._stat(op if stat is None else stat)
+        kind = _ROUTE[op]
         t0 = time.perf_counter()
         size = self._slot_size if slot_size is None else slot_size
         parts: list[list[memoryview]] = []
         status, message = _frame.OK, ""
         if invalid is not None:
-            status, message = _frame.INVALID, invalid
+            status, message = invalid_status, invalid
         elif serialize:
             parts, status, message = self._serialize_local(op, root, obj)
             if status == _frame.OK and self.max_bytes is not None and op is not _SETUP:  # set-up precedes agreement
@@ -751,13 +1218,16 @@ class Communicator(abc.ABC):
                     status, message = _frame.TOO_LARGE, f"payload of {total} bytes is over max_bytes={self.max_bytes}"
         # Counted only now: an interrupt while pickling (KeyboardInterrupt) leaves this rank as if it
         # had never called, instead of one call ahead of its peers.
+        elif inline is not None:
+            parts = [[memoryview(inline)]]
         self._seq += 1
         seq = self._seq
-        st.calls += 1
+        if stat is None:
+            st.calls += 1
         self._cur = st
         subs: list[bytearray] = []
         tables: list[list[tuple[int, memoryview | None]]] = []  # how each of my parts travels
-        if status == _frame.OK and op is _SCATTER and self.rank == root:
+        if status == _frame.OK and kind is _SCATTER and self.rank == root:
             # each receiver gets a slot of its own part: nobody receives a table of every part
             built = [self._build_slot(op, seq, root, digest, [p], size) for p in parts]
             subs, parts = [s for s, _ in built], [p[0] for _, p in built]
@@ -768,12 +1238,12 @@ class Communicator(abc.ABC):
             tables = [d.parts[0] if d.parts else [] for d in decoded]
         if status != _frame.OK:
             slot = _frame.encode_status(status, op, seq, root, message, size)
-        elif op is _SCATTER:
+        elif kind is _SCATTER:
             slot = _frame.encode(op, seq, root, digest, [], size)
         else:
             slot, parts = self._build_slot(op, seq, root, digest, parts, size)
         mine = _frame.decode(slot)  # before the exchange: the code after it runs on a cold cache
-        if op is not _SCATTER:
+        if kind is not _SCATTER:
             tables = mine.parts
         t1 = time.perf_counter()
         st.serialize_s += t1 - t0
@@ -789,10 +1259,10 @@ class Communicator(abc.ABC):
             on_digest_mismatch()
         if not serialize:
             st.transfer_s += time.perf_counter() - t1
-            return []
+            return [] if inline is None else list(_frame.inline_words(raw, self.world_size, size).tolist())
 
         try:
-            incoming, packed = self._step2(op, seq, root, parts, tables, slots, subs, size, timeout)
+            incoming, packed = self._step2(op, kind, seq, root, parts, tables, slots, subs, size, timeout)
         except BaseException as e:
             # Whatever stops this rank here (a corrupt table only it decodes, memory, Ctrl-C) leaves
             # its peers mid-transfer: the ranks no longer agree on what was sent.
@@ -802,9 +1272,9 @@ class Communicator(abc.ABC):
         st.transfer_s += t2 - t1
 
         results: list[Any] = [None] * self.world_size
-        if op is _SCATTER:
+        if kind is _SCATTER:
             results[self.rank] = obj[self.rank] if self.rank == root else None
-        elif op is not _BROADCAST or self.rank == root:
+        elif kind is not _BROADCAST or self.rank == root:
             results[self.rank] = obj
         token = _CUDA_TARGET.set(self._cuda_target)
         try:
@@ -820,17 +1290,19 @@ class Communicator(abc.ABC):
         return results
 
     def _step2(
-        self, op: Op, seq: int, root: int, parts: list[list[memoryview]],
+        self, op: Op, kind: Op, seq: int, root: int, parts: list[list[memoryview]],
         tables: list[list[tuple[int, memoryview | None]]], slots: _Slots, subs: list[bytearray], size: int,
         timeout: float | None,
     ) -> tuple[dict[int, list[_Seg]], dict[int, bool]]:
-        """Move what didn't fit the slots; returns the segments received, per source, and which were packed."""
-        if op is _BROADCAST:
+        """Move what didn't fit the slots; returns the segments received, per source, and which were packed.
+
+        ``kind`` is how ``op``'s objects travel (see ``_ROUTE``)."""
+        if kind is _BROADCAST:
             got = self._tree_broadcast(root, slots[root], parts, timeout)
             return ({root: got} if self.rank != root else {}), {root: bool(slots[root].header.flags & _frame.PACKED)}
-        if op is _SCATTER:
+        if kind is _SCATTER:
             slots = self._deliver_scatter_slots(op, seq, root, subs, size, timeout)
-        plan = self._plan(op, root, parts, tables, slots)
+        plan = self._plan(kind, root, parts, tables, slots)
         if plan.recv_buf is not None:
             sends = [t for _, t in plan.sends]
             send = sends[0] if len(sends) == 1 else torch.cat(sends) if sends else torch.empty(0, dtype=torch.uint8)
@@ -969,7 +1441,7 @@ class Communicator(abc.ABC):
     def _load_all(self, op: Op, seq: int, incoming: dict[int, list[_Seg]],
                   packed: dict[int, bool], results: list[Any]) -> None:
         for src, segs in incoming.items():
-            results[self.rank if op is _SCATTER else src] = self._load(op, seq, src, segs, packed[src])
+            results[self.rank if _ROUTE[op] is _SCATTER else src] = self._load(op, seq, src, segs, packed[src])
 
     def _load(self, op: Op, seq: int, src: int, segs: list[_Seg], packed: bool) -> Any:
         """Deserialize one rank's segments (inline views or received tensors)."""
@@ -1075,7 +1547,7 @@ class Communicator(abc.ABC):
         (all_gather) use it: a gather's all-to-all would post world x world empty messages.
         """
         world = self.world_size
-        dense = op is _ALL_GATHER or op is _KEYS or op is _SETUP
+        dense = op is _ALL_GATHER
         if not (dense or op is _GATHER) or (not dense and world > _frame.SMALL_WORLD):
             return False
         later = [slots[r].later for r in range(world)]

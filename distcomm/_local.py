@@ -33,3 +33,6 @@ class LocalCommunicator(Communicator):
 
     def _reduce_tensor(self, tensor: torch.Tensor, dst: int | None, timeout: float | None) -> None:
         return None
+
+    def _make_sub(self, groups: list[list[int]], mine: list[int] | None, timeout: float | None) -> Communicator | None:
+        return None if mine is None else LocalCommunicator(**self._sub_settings(timeout))

@@ -7,7 +7,7 @@ import os
 import secrets
 import socket
 import time
-from typing import Any, Literal, NoReturn
+from typing import Any, ClassVar, Literal, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,8 @@ def _td(seconds: float | None) -> datetime.timedelta | None:
 
 
 def _machine_key(machine: str | int | None) -> str:
+    if isinstance(machine, str) and machine.startswith(("given:", "torchrun-node:", "host:")):
+        return machine  # a key already made (a sub-communicator's, from its parent)
     if machine is not None:
         return f"given:{machine}"
     if "TORCHELASTIC_RUN_ID" in os.environ and "GROUP_RANK" in os.environ:
@@ -93,8 +95,9 @@ class _TorchCommunicator(Communicator):
             self._store = None
         self._token = ""
         self._local_group: Any = self._group
+        self._machine_key = _machine_key(machine)
         try:
-            self._setup(_machine_key(machine))
+            self._setup(self._machine_key)
         except BaseException:
             self._shutdown()
             raise
@@ -124,6 +127,7 @@ class _TorchCommunicator(Communicator):
         token = secrets.token_hex(8)
         infos = self._run(Op.SETUP, -1, (machine, token, self._settings()), self._timeout,
                           slot_size=_frame.HEADER_SLOT)
+        self._stats.pop(Op.SETUP.label, None)  # the user never called it
         self._check_settings([info[2] for info in infos])
         self._token = infos[0][1]
         keys = [info[0] for info in infos]
@@ -245,24 +249,85 @@ class _TorchCommunicator(Communicator):
         self._wait([work], timeout)
 
     def _reduce_tensor(self, tensor: torch.Tensor, dst: int | None, timeout: float | None) -> None:
+        self._tensor_reduce(tensor, dst, "sum", timeout)
+
+    # ------------------------------------------------------------------ tensor transport: the native collectives
+    _REDUCE_OPS: ClassVar[dict[str, str]] = {"sum": "SUM", "mean": "SUM", "min": "MIN", "max": "MAX", "prod": "PRODUCT"}
+
+    def _device_problem(self, tensor: torch.Tensor) -> str | None:
+        if tensor.device.type != "cpu":
+            return (f"{type(self).__name__} takes CPU tensors, this one is on {tensor.device} "
+                    f"(NcclCommunicator moves CUDA tensors)")
+        return None
+
+    def _opts(self, kind: str, timeout: float | None, op: str | None = None, root: int | None = None) -> Any:
         c = _c10d()
+        opts = getattr(c, kind)()
+        if timeout is not None:
+            opts.timeout = datetime.timedelta(seconds=timeout)
+        if op is not None:
+            opts.reduceOp = getattr(c.ReduceOp, self._REDUCE_OPS[op])
+        if root is not None:
+            opts.rootRank = root
+        return opts
+
+    def _native(self, call: Any, timeout: float | None) -> None:
         try:
-            if dst is None:
-                opts = c.AllreduceOptions()
-                opts.reduceOp = c.ReduceOp.SUM
-                if timeout is not None:
-                    opts.timeout = datetime.timedelta(seconds=timeout)
-                work = self._group.allreduce([tensor], opts)
-            else:
-                opts = c.ReduceOptions()
-                opts.reduceOp = c.ReduceOp.SUM
-                opts.rootRank = dst
-                if timeout is not None:
-                    opts.timeout = datetime.timedelta(seconds=timeout)
-                work = self._group.reduce([tensor], opts)
+            work = call()
         except Exception as e:
             self._fail(e, timeout)
         self._wait([work], timeout)
+
+    def _tensor_reduce(self, tensor: torch.Tensor, dst: int | None, op: str, timeout: float | None) -> None:
+        g = self._group
+        if dst is None:
+            self._native(lambda: g.allreduce([tensor], self._opts("AllreduceOptions", timeout, op)), timeout)
+        else:
+            self._native(lambda: g.reduce([tensor], self._opts("ReduceOptions", timeout, op, dst)), timeout)
+
+    def _tensor_broadcast(self, tensor: torch.Tensor, src: int, timeout: float | None) -> None:
+        opts = self._opts("BroadcastOptions", timeout, root=src)
+        opts.rootTensor = 0
+        self._native(lambda: self._group.broadcast([tensor], opts), timeout)
+
+    def _tensor_all_gather(self, out: torch.Tensor, tensor: torch.Tensor, rows: list[int],
+                           timeout: float | None) -> None:
+        g, opts = self._group, self._opts("AllgatherOptions", timeout)
+        if len(set(rows)) == 1:
+            self._native(lambda: g._allgather_base(out, tensor, opts), timeout)
+            return
+        pieces = list(torch.split(out, rows))
+        if self._uneven_allgather:
+            self._native(lambda: g.allgather([pieces], [tensor], opts), timeout)
+            return
+        # gloo's all-gather wants equal sizes: each rank's rows go straight to every peer instead
+        me = self._rank
+        pieces[me].copy_(tensor)
+        peers = [r for r in range(self._world) if r != me]
+        try:
+            works = [g.recv([pieces[r]], r, 1) for r in peers if rows[r]]
+            works += [g.send([tensor], r, 1) for r in peers] if rows[me] else []
+        except Exception as e:
+            self._fail(e, timeout)
+        self._wait(works, timeout)
+
+    _uneven_allgather = False  # NCCL's all-gather takes outputs of different sizes
+
+    def _tensor_reduce_scatter(self, out: torch.Tensor, tensor: torch.Tensor, op: str, timeout: float | None) -> None:
+        opts = self._opts("ReduceScatterOptions", timeout, op)
+        self._native(lambda: self._group._reduce_scatter_base(out, tensor, opts), timeout)
+
+    # ------------------------------------------------------------------ sub-communicators
+    def _make_sub(self, groups: list[list[int]], mine: list[int] | None, timeout: float | None) -> Communicator | None:
+        backend = str(dist.get_backend(self._group))
+        made = [self._new_group(members, backend) for members in groups]  # every rank, every group, in order
+        if mine is None:
+            return None
+        group = made[groups.index(mine)]
+        return type(self)(group, machine=self._machine_key, **self._sub_kwargs(timeout))
+
+    def _sub_kwargs(self, timeout: float | None) -> dict[str, Any]:
+        return self._sub_settings(timeout)
 
     # ------------------------------------------------------------------ failures
     def _reported(self, grace: float) -> list[int] | None:
@@ -389,6 +454,16 @@ class NcclCommunicator(_TorchCommunicator):
 
     def _local_backend(self) -> str | None:
         return "nccl"
+
+    _uneven_allgather = True
+
+    def _device_problem(self, tensor: torch.Tensor) -> str | None:
+        if tensor.device != self._device:
+            return f"tensor is on {tensor.device}, this NcclCommunicator's device is {self._device}"
+        return None
+
+    def _sub_kwargs(self, timeout: float | None) -> dict[str, Any]:
+        return {**self._sub_settings(timeout), "device": self._device}
 
     def _setup(self, machine: str) -> None:
         super()._setup(machine)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import datetime
+import functools
+import inspect
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -11,11 +13,13 @@ from typing import Any
 import torch
 
 from .. import _frame
-from .._communicator import Communicator, Op, _dict_signature, _reduce_digest
+from .._communicator import _I64, _ROUTE, Communicator, Op, _dict_signature, _reduce_digest, _tensor_fields
 
 __all__ = ["Call", "FakeCommunicator"]
 
 PeerFn = Callable[[str, int, Any], Any]
+
+_TENSOR_OPS = (Op.ALL_REDUCE, Op.REDUCE, Op.BROADCAST_TENSOR, Op.ALL_GATHER_TENSOR, Op.REDUCE_SCATTER_TENSOR)
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,9 @@ class FakeCommunicator(Communicator):
         self._pending: dict[int, deque[memoryview]] = {}
         self._peer_dicts: dict[int, Mapping[Any, torch.Tensor]] = {}
         self._names: list[Any] = []
+        self._tensor_ctx: tuple[Op, str | None, Any] = (Op.ALL_REDUCE, None, None)
+        self._fold_ctx: tuple[Op, str, Callable[[Any, Any], Any]] = (Op.REDUCE_OBJECT, "", lambda a, b: a)
+        self._step1: dict[int, Any] = {}
 
     @property
     def rank(self) -> int:
@@ -92,47 +99,6 @@ class FakeCommunicator(Communicator):
             self.calls.append(Call(op, args, result))
         return result
 
-    def synchronize(self, timeout: float | datetime.timedelta | None = None) -> None:
-        self._record("synchronize", {}, lambda: super(FakeCommunicator, self).synchronize(timeout))
-
-    def all_gather(self, obj: Any, *, timeout: float | datetime.timedelta | None = None) -> list[Any]:
-        out: list[Any] = self._record("all_gather", {"obj": obj},
-                                      lambda: super(FakeCommunicator, self).all_gather(obj, timeout=timeout))
-        return out
-
-    def gather(self, obj: Any, dst: int = 0, *, timeout: float | datetime.timedelta | None = None) -> list[Any]:
-        out: list[Any] = self._record("gather", {"obj": obj, "dst": dst},
-                                      lambda: super(FakeCommunicator, self).gather(obj, dst, timeout=timeout))
-        return out
-
-    def broadcast(self, obj: Any = None, src: int = 0, *, timeout: float | datetime.timedelta | None = None) -> Any:
-        return self._record("broadcast", {"obj": obj, "src": src},
-                            lambda: super(FakeCommunicator, self).broadcast(obj, src, timeout=timeout))
-
-    def scatter(self, objs: Sequence[Any] | None = None, src: int = 0, *,
-                timeout: float | datetime.timedelta | None = None) -> Any:
-        return self._record("scatter", {"objs": objs, "src": src},
-                            lambda: super(FakeCommunicator, self).scatter(objs, src, timeout=timeout))
-
-    def shared_random_seed(self, *, timeout: float | datetime.timedelta | None = None) -> int:
-        out: int = self._record("shared_random_seed", {},
-                                lambda: super(FakeCommunicator, self).shared_random_seed(timeout=timeout))
-        return out
-
-    def reduce_dict(self, input_dict: Mapping[Any, torch.Tensor], average: bool = True, *,
-                    timeout: float | datetime.timedelta | None = None) -> dict[Any, torch.Tensor]:
-        out: dict[Any, torch.Tensor] = self._record(
-            "reduce_dict", {"input_dict": input_dict, "average": average},
-            lambda: super(FakeCommunicator, self).reduce_dict(input_dict, average, timeout=timeout))
-        return out
-
-    def all_reduce_dict(self, input_dict: Mapping[Any, torch.Tensor], average: bool = True, *,
-                        timeout: float | datetime.timedelta | None = None) -> dict[Any, torch.Tensor]:
-        out: dict[Any, torch.Tensor] = self._record(
-            "all_reduce_dict", {"input_dict": input_dict, "average": average},
-            lambda: super(FakeCommunicator, self).all_reduce_dict(input_dict, average, timeout=timeout))
-        return out
-
     # ------------------------------------------------------------------ the scripted peers
     def _reduce_dict(self, input_dict: Mapping[Any, torch.Tensor], average: bool, dst: int | None,
                      timeout: float | datetime.timedelta | None) -> dict[Any, torch.Tensor]:
@@ -149,6 +115,31 @@ class FakeCommunicator(Communicator):
         self._ctx = (op, root, obj)
         return super()._run(op, root, obj, timeout, **kwargs)
 
+    def _tensor_op(self, op: Op, root: int, tensor: torch.Tensor, rop: str | None, check: bool,
+                   timeout: float | datetime.timedelta | None) -> torch.Tensor:
+        self._tensor_ctx = (op, rop, tensor)
+        return super()._tensor_op(op, root, tensor, rop, check, timeout)
+
+    def _reduce_objects(self, op: Op, obj: Any, name: str, fn: Callable[[Any, Any], Any], root: int,
+                        timeout: float | datetime.timedelta | None) -> Any:
+        self._fold_ctx = (op, name, fn)
+        self._step1 = {self._rank: obj}
+        return super()._reduce_objects(op, obj, name, fn, root, timeout)
+
+    def _peer_tensor(self, r: int, tensor: Any) -> Any:
+        out = self._peers(self._tensor_ctx[0].label, r, tensor)
+        return out.to(tensor.device) if isinstance(out, torch.Tensor) and isinstance(tensor, torch.Tensor) else out
+
+    def _gather_tensors(self, tensor: torch.Tensor, timeout: float | None) -> list[torch.Tensor]:
+        return [tensor if r == self._rank else self._peer_tensor(r, tensor) for r in range(self._size)]
+
+    def _make_sub(self, groups: list[list[int]], mine: list[int] | None, timeout: float | None) -> Communicator | None:
+        if mine is None:
+            return None
+        peers = self._peers
+        return FakeCommunicator(mine.index(self._rank), len(mine), **self._sub_settings(timeout),
+                                peers=lambda op, r, obj: peers(op, mine[r], obj))
+
     def _peer_slot(self, r: int, size: int) -> bytearray:
         """Peer r's slot for the call in progress; queues what r then sends to the rank under test."""
         op, root, obj = self._ctx
@@ -158,36 +149,78 @@ class FakeCommunicator(Communicator):
             if op is not Op.BARRIER:
                 digest = _reduce_digest(*_dict_signature(self._peer_dicts[r]))
             return _frame.encode(op, seq, root, digest, [], size)
+        if op in _TENSOR_OPS:
+            _, rop, own = self._tensor_ctx
+            theirs = self._peer_tensor(r, own)
+            problem = self._tensor_input_problem(op, theirs, rop)
+            if problem is not None:
+                return self._status_slot(r, _frame.INVALID, problem, size)
+            digest, word = _tensor_fields(op, theirs, rop, None)
+            return _frame.encode(op, seq, root, digest, [[memoryview(word)]], size)
+        if op is Op.ALL_TO_ALL:
+            return self._all_to_all_slot(r, obj, size)
         if op is Op.KEYS:
             names, shapes, work_dtype = _dict_signature(self._peer_dicts[r])
             pobj: Any = ([repr(k) for k in names], shapes, str(work_dtype))
+        elif op is Op.TENSOR_INFO:
+            _, rop, own = self._tensor_ctx
+            theirs = self._peer_tensor(r, own)
+            pobj = (str(theirs.dtype), tuple(theirs.shape), rop)
+        elif op is Op.RESULT or op is Op.RESULTS:
+            pobj = None
+            if r == root:  # the root peer folds what every rank contributed, as a real root would
+                fop, name, fn = self._fold_ctx
+                objs = [self._step1[i] for i in range(self._size)]
+                pobj = self._fold_payload(fop, objs, name, fn, root)
+                if fop is Op.REDUCE_OBJECT and pobj[0]:
+                    pobj = (True, None)
         else:
             pobj = self._peers(op.label, r, obj)
-        if op is Op.SCATTER and r == root and (not isinstance(pobj, Sequence) or len(pobj) != self._size):
+            if op in (Op.REDUCE_OBJECT, Op.ALL_REDUCE_OBJECT, Op.SCAN, Op.EXSCAN):
+                self._step1[r] = pobj
+        kind = _ROUTE[op]
+        if kind is Op.SCATTER and r == root and (not isinstance(pobj, Sequence) or len(pobj) != self._size):
             raise ValueError(
                 f"FakeCommunicator: scatter from src={root} needs the src's list of {self._size} objects: pass "
                 f"it on the rank under test too, or script it with peers=")
         parts, status, message = self._serialize_local(op, root, pobj, rank=r)
         if status != _frame.OK:
-            full = _frame.message_bytes(message)
-            if len(full) > size - _frame.HEADER_SIZE:  # the rest of a long message follows the slots
-                self._feed(r, [memoryview(full)])
-            return _frame.encode_status(status, op, seq, root, message, size)
+            return self._status_slot(r, status, message, size)
         me = self._rank
-        if op is Op.SCATTER:
+        if kind is Op.SCATTER:
             if r != root:
                 return _frame.encode(op, seq, root, 0, [], size)
             sub, mine = self._build_slot(op, seq, root, 0, [parts[me]], size)
             self._feed(r, [memoryview(sub), *self._later(sub, mine, 0)])
             return _frame.encode(op, seq, root, 0, [], size)
         slot, parts = self._build_slot(op, seq, root, 0, parts, size)
-        if op is Op.BROADCAST:
+        if kind is Op.BROADCAST:
             v = (me - root) % self._size
             if r == root and v:  # the root's bytes reach this rank through its parent in the tree
                 self._feed(((v - 1) // 2 + root) % self._size, self._later(slot, parts, 0))
-        elif op is not Op.GATHER or me == root:
+        elif kind is not Op.GATHER or me == root:
             self._feed(r, self._later(slot, parts, 0))
         return slot
+
+    def _status_slot(self, r: int, status: int, message: str, size: int) -> bytearray:
+        op, root, _ = self._ctx
+        full = _frame.message_bytes(message)
+        if len(full) > size - _frame.HEADER_SIZE:  # the rest of a long message follows the slots
+            self._feed(r, [memoryview(full)])
+        return _frame.encode_status(status, op, self._seq, root, message, size)
+
+    def _all_to_all_slot(self, r: int, objs: Any, size: int) -> bytearray:
+        """Peer r's all_to_all: its slot, then its part's size and its part for the rank under test."""
+        theirs = self._peers("all_to_all", r, objs)
+        if isinstance(theirs, (str, bytes)) or not isinstance(theirs, Sequence) or len(theirs) != self._size:
+            return self._status_slot(r, _frame.INVALID, f"peer {r} of a FakeCommunicator gave all_to_all "
+                                     f"{type(theirs).__name__}, not {self._size} objects", size)
+        try:
+            part = _frame.pack(self.serializer.dumps(theirs[self._rank]))
+        except Exception as e:
+            return self._status_slot(r, _frame.SERIALIZE_FAILED, f"{type(e).__name__}: {e}", size)
+        self._feed(r, [memoryview(_I64.pack(len(part))), memoryview(part)])
+        return _frame.encode(Op.ALL_TO_ALL, self._seq, -1, 0, [], size)
 
     @staticmethod
     def _later(slot: bytearray, parts: list[list[memoryview]], p: int) -> list[memoryview]:
@@ -229,3 +262,28 @@ class FakeCommunicator(Communicator):
                 total += torch.cat([torch.as_tensor(d[k]).detach().reshape(-1) for k in self._names]).to(tensor)
         if dst is None or dst == self._rank:
             tensor.copy_(total)
+
+
+# Every public collective is recorded in ``calls`` with its arguments (but timeout and check).
+_RECORDED = ("synchronize", "all_gather", "gather", "broadcast", "scatter", "shared_random_seed", "reduce_dict",
+             "all_reduce_dict", "all_reduce", "reduce", "broadcast_tensor", "all_gather_tensor",
+             "reduce_scatter_tensor", "reduce_object", "all_reduce_object", "scan", "exscan", "all_to_all", "split",
+             "new_group", "create_local_groups")
+
+
+def _recorded(name: str) -> Callable[..., Any]:
+    base = getattr(Communicator, name)
+    sig = inspect.signature(base)
+
+    @functools.wraps(base)
+    def method(self: FakeCommunicator, *args: Any, **kwargs: Any) -> Any:
+        bound = sig.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        recorded = {k: v for k, v in bound.arguments.items() if k not in ("self", "timeout", "check")}
+        return self._record(name, recorded, lambda: base(self, *args, **kwargs))
+
+    return method
+
+
+for _name in _RECORDED:
+    setattr(FakeCommunicator, _name, _recorded(_name))

@@ -24,8 +24,10 @@ _R = TypeVar("_R")
 class _World:
     """Rendezvous points and mailboxes shared by the ranks of one threaded world."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, parent: _World | None = None) -> None:
         self.size = size
+        self.parent = parent  # a sub-world's ranks are released when the whole world fails
+        self.subworlds: dict[int, dict[tuple[int, ...], _World]] = {}
         # A condition (and its lock) per rank: a send touches its receiver's only, so a world of a
         # thousand threads doesn't convoy on one lock; the rendezvous tables have a lock of their own.
         self.lock = threading.Lock()
@@ -49,8 +51,12 @@ class _World:
         self._wake_all()
 
     def _check(self, me: int) -> None:
-        if self.failed is not None:
-            r, exc = self.failed
+        failed = self.failed
+        world = self.parent
+        while failed is None and world is not None:
+            failed, world = world.failed, world.parent
+        if failed is not None:
+            r, exc = failed
             raise CollectiveError(
                 f"rank {me}: collective abandoned because rank {r} failed: {type(exc).__name__}: {exc}", ranks=[r])
 
@@ -117,6 +123,7 @@ class ThreadedCommunicator(Communicator):
         self._reduce_gen = 0
         self._holding = False
         self._local = (rank, world.size)  # one machine
+        self._split_gen = 0
 
     @property
     def rank(self) -> int:
@@ -212,6 +219,25 @@ class ThreadedCommunicator(Communicator):
                                                         tensor.clone(), deadline))
         if dst is None or dst == self._rank:  # summed in rank order, like a transport's fixed order
             tensor.copy_(torch.stack(values).sum(0))
+
+    def _gather_tensors(self, tensor: torch.Tensor, timeout: float | None) -> list[torch.Tensor]:
+        self._reduce_gen += 1
+        gen, deadline = self._reduce_gen, self._deadline(timeout)
+        values: list[torch.Tensor] = self._guard(lambda: self._world.gather(
+            self._world.reduces, "tensors", gen, self._rank, tensor.detach().clone(), deadline))
+        return [v.to(tensor.device) for v in values]
+
+    def _make_sub(self, groups: list[list[int]], mine: list[int] | None, timeout: float | None) -> Communicator | None:
+        # Every rank of the world meets the same sub-worlds, keyed by this split's number and members.
+        self._split_gen += 1
+        world = self._world
+        with world.lock:
+            made = world.subworlds.setdefault(self._split_gen, {})
+            for members in groups:
+                made.setdefault(tuple(members), _World(len(members), parent=world))
+        if mine is None:
+            return None
+        return ThreadedCommunicator(made[tuple(mine)], mine.index(self._rank), **self._sub_settings(timeout))
 
 
 def run_threaded(fn: Callable[[ThreadedCommunicator], _R], world_size: int, *, timeout: float = 60.0,
