@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -17,8 +17,13 @@ from ._context import active, current
 
 __all__ = [
     "all_gather",
+    "all_gather_tensor",
+    "all_reduce",
     "all_reduce_dict",
+    "all_reduce_object",
+    "all_to_all",
     "broadcast",
+    "broadcast_tensor",
     "create_local_process_group",
     "gather",
     "get_local_process_group",
@@ -27,7 +32,12 @@ __all__ = [
     "get_rank",
     "get_world_size",
     "is_main_process",
+    "reduce",
     "reduce_dict",
+    "reduce_object",
+    "reduce_scatter_tensor",
+    "scan",
+    "exscan",
     "scatter",
     "shared_random_seed",
     "synchronize",
@@ -135,3 +145,54 @@ def reduce_dict(input_dict: Mapping[Any, torch.Tensor], average: bool = True) ->
 def all_reduce_dict(input_dict: Mapping[Any, torch.Tensor], average: bool = True) -> dict[Any, torch.Tensor]:
     """Sum or average a dict of scalar tensors onto every rank."""
     return current().all_reduce_dict(input_dict, average)
+
+
+# Tensor collectives and object reductions: see the Communicator methods of the same names.
+def all_reduce(tensor: torch.Tensor, op: str = "sum", *, check: bool = True) -> torch.Tensor:
+    """Reduce ``tensor`` in place on every rank of the active communicator; returns it."""
+    return current().all_reduce(tensor, op, check=check)
+
+
+def reduce(tensor: torch.Tensor, dst: int = 0, op: str = "sum", *, check: bool = True) -> torch.Tensor:
+    """Reduce ``tensor`` in place onto ``dst``; returns it."""
+    return current().reduce(tensor, dst, op, check=check)
+
+
+def broadcast_tensor(tensor: torch.Tensor, src: int = 0, *, check: bool = True) -> torch.Tensor:
+    """Copy ``src``'s tensor into every rank's ``tensor``; returns it."""
+    return current().broadcast_tensor(tensor, src, check=check)
+
+
+def all_gather_tensor(tensor: torch.Tensor, *, check: bool = True) -> torch.Tensor:
+    """Every rank's tensor concatenated along dim 0, in rank order."""
+    return current().all_gather_tensor(tensor, check=check)
+
+
+def reduce_scatter_tensor(tensor: torch.Tensor, op: str = "sum", *, check: bool = True) -> torch.Tensor:
+    """Reduce ``tensor`` across ranks; rank r gets the r-th slice of dim 0."""
+    return current().reduce_scatter_tensor(tensor, op, check=check)
+
+
+def reduce_object(obj: Any, op: str | Callable[[Any, Any], Any], dst: int = 0) -> Any:
+    """Reduce every rank's object in rank order onto ``dst`` (None elsewhere)."""
+    return current().reduce_object(obj, op, dst)
+
+
+def all_reduce_object(obj: Any, op: str | Callable[[Any, Any], Any]) -> Any:
+    """Reduce every rank's object in rank order, result on every rank."""
+    return current().all_reduce_object(obj, op)
+
+
+def scan(obj: Any, op: str | Callable[[Any, Any], Any]) -> Any:
+    """Rank r gets the reduction of ranks 0..r's objects."""
+    return current().scan(obj, op)
+
+
+def exscan(obj: Any, op: str | Callable[[Any, Any], Any]) -> Any:
+    """Rank r gets the reduction of ranks 0..r-1's objects (rank 0: None)."""
+    return current().exscan(obj, op)
+
+
+def all_to_all(objs: Sequence[Any]) -> list[Any]:
+    """Send ``objs[d]`` to rank d; returns what each rank sent this one, by source."""
+    return current().all_to_all(objs)

@@ -268,6 +268,12 @@ def _reduce_digest(names: Sequence[Any], shapes: Sequence[tuple[int, ...]], work
 
 
 _I64 = struct.Struct("<q")
+
+
+def _odd_ones(values: Sequence[Any]) -> list[int]:
+    """The ranks whose value differs from the one most ranks have (the lowest rank's among equals)."""
+    usual = max(values, key=values.count)
+    return [r for r, v in enumerate(values) if v != usual]
 _NO_PAUSE = contextlib.nullcontext()
 
 
@@ -793,7 +799,7 @@ class Communicator(abc.ABC):
         def key(info: tuple[str, tuple[int, ...], str | None]) -> Any:
             return (info[0], tuple(info[1])[1:], info[2]) if gathering else info
 
-        odd = [r for r, info in enumerate(infos) if key(info) != key(infos[0])]
+        odd = _odd_ones([key(info) for info in infos])
         rows = "\n".join(f"  rank {r}: {dtype} {tuple(shape)}" + (f" op={o!r}" if o else "")
                          for r, (dtype, shape, o) in enumerate(infos))
         what = ("dtype and shape beyond the first dimension" if gathering else
@@ -1017,7 +1023,7 @@ class Communicator(abc.ABC):
             rows = "\n".join(f"  rank {r}: {list(a) if a is not None else 'split'}"
                              for r, (_, _, a) in enumerate(infos))
             raise CollectiveMismatchError(f"{label}: the ranks asked for different groups:\n{rows}", op=label,
-                                          ranks=[r for r, (_, _, a) in enumerate(infos) if a != infos[0][2]])
+                                          ranks=_odd_ones([a for _, _, a in infos]))
         groups: dict[int, list[int]] = {}
         for r, (c, _, _) in enumerate(infos):
             if c is not None:
@@ -1139,7 +1145,7 @@ class Communicator(abc.ABC):
         lines = [f"  {k}: " + ", ".join(f"rank {r} {t[k]}" for r, t in enumerate(table)) for k in odd_keys]
         raise CollectiveMismatchError(
             "reduce_dict: a key's tensors have different shapes on different ranks:\n" + "\n".join(lines),
-            op="reduce_dict", ranks=[r for r, t in enumerate(table) if any(t[k] != table[0][k] for k in odd_keys)],
+            op="reduce_dict", ranks=_odd_ones([[t[k] for k in odd_keys] for t in table]),
         )
 
     # ------------------------------------------------------------------ the pipeline
@@ -1482,7 +1488,9 @@ class Communicator(abc.ABC):
 
         The common case is a few comparisons over the header array; rows are built for errors only.
         """
-        same = (heads["op"] == op) & (heads["seq"] == seq) & (heads["root"] == root)
+        # compared with rank 0's (which is this rank's when they all agree): every rank names the same ranks
+        first = heads[0]
+        same = (heads["op"] == first["op"]) & (heads["seq"] == first["seq"]) & (heads["root"] == first["root"])
         if not same.all():
             rows = []
             for r, (hop, hseq, hroot) in enumerate(zip(heads["op"].tolist(), heads["seq"].tolist(),
@@ -1490,7 +1498,8 @@ class Communicator(abc.ABC):
                 name = Op(hop).label if hop in Op._value2member_map_ else f"op {hop}"
                 where = f" root={hroot}" if hroot >= 0 else ""
                 rows.append(f"  rank {r}: {name}{where} (call #{hseq})")
-            odd = np.flatnonzero(~same).tolist()
+            odd = _odd_ones(list(zip(heads["op"].tolist(), heads["seq"].tolist(), heads["root"].tolist(),
+                                     strict=True)))
             raise CollectiveMismatchError(
                 "ranks called different collectives:\n" + "\n".join(rows), op=op.label, ranks=odd
             )

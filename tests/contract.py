@@ -49,8 +49,39 @@ def skewed(rank: int, n: int) -> dict[str, Any]:
     return {"skew": n, "data": np.ones(200_000, dtype=np.uint8) if rank == n - 1 else None}
 
 
+def trainer_tensor(op: str, rank: int, n: int) -> torch.Tensor:
+    """The tensor rank ``rank`` passes to tensor collective ``op`` in the contract."""
+    if op == "all_reduce":
+        return torch.full((2, 3), float(rank + 1))
+    if op == "reduce":
+        return torch.full((2,), float(rank))
+    if op == "broadcast_tensor":
+        return torch.full((3,), rank, dtype=torch.int32)
+    if op == "all_gather_tensor":
+        return torch.full((rank % 3, 2), rank, dtype=torch.int64)  # rank 0 (and every third) sends no rows
+    return torch.arange(2.0 * n, dtype=torch.float64) + rank  # reduce_scatter_tensor
+
+
+OBJECTS = {"reduce_object": lambda r: {r}, "all_reduce_object": lambda r: r == 1, "scan": lambda r: r + 1,
+           "exscan": lambda r: r + 1}
+
+
 def peers(op: str, rank: int, obj: Any) -> Any:
     """Script FakeCommunicator's peers so that they contribute what a real rank would."""
+    if isinstance(obj, torch.Tensor) and op in ("all_reduce", "reduce", "broadcast_tensor", "all_gather_tensor",
+                                                 "reduce_scatter_tensor"):
+        if op == "all_gather_tensor" and obj.dtype == torch.float32:  # the 0-d call
+            return torch.tensor(float(rank))
+        return trainer_tensor(op, rank, obj.shape[0] // 2)
+    if op in OBJECTS:
+        return OBJECTS[op](rank)
+    if op == "all_to_all":
+        return [f"{rank}->{d}" for d in range(len(obj))]
+    if op == "split":
+        _, _, members = obj
+        if members is not None:
+            return (0 if rank in members else None, rank, members)
+        return (rank % 2, rank, None)
     if isinstance(obj, dict) and "step" in obj:
         return payload(rank, obj["step"])
     if isinstance(obj, dict) and "loss" in obj:
@@ -91,6 +122,35 @@ def exercise(comm: distcomm.Communicator) -> dict[str, Any]:
         out["bad_dst"] = "no error"
     except ValueError as e:
         out["bad_dst"] = str(e)
+    out.update(exercise_trainer(comm))
+    return out
+
+
+def exercise_trainer(comm: distcomm.Communicator) -> dict[str, Any]:
+    """Tensor collectives, object reductions, all_to_all and sub-communicators."""
+    r, n = comm.rank, comm.world_size
+    out: dict[str, Any] = {}
+    t = trainer_tensor("all_reduce", r, n)
+    out["t_all_reduce"] = (comm.all_reduce(t) is t, t.tolist())
+    out["t_mean"] = comm.all_reduce(trainer_tensor("all_reduce", r, n), "mean", check=False).tolist()
+    out["t_reduce"] = comm.reduce(trainer_tensor("reduce", r, n), dst=n - 1, op="max").tolist()
+    out["t_broadcast"] = comm.broadcast_tensor(trainer_tensor("broadcast_tensor", r, n), src=n // 2).tolist()
+    gathered = comm.all_gather_tensor(trainer_tensor("all_gather_tensor", r, n))
+    out["t_all_gather"] = (gathered.tolist(), str(gathered.dtype), tuple(gathered.shape[1:]))
+    out["t_all_gather_0d"] = comm.all_gather_tensor(torch.tensor(float(r))).tolist()
+    out["t_reduce_scatter"] = comm.reduce_scatter_tensor(trainer_tensor("reduce_scatter_tensor", r, n)).tolist()
+    out["o_reduce"] = comm.reduce_object(OBJECTS["reduce_object"](r), "union")
+    out["o_all_reduce"] = comm.all_reduce_object(OBJECTS["all_reduce_object"](r), "any")
+    out["o_all_reduce_fn"] = comm.all_reduce_object(OBJECTS["all_reduce_object"](r), lambda a, b: int(a) + int(b))
+    out["o_scan"] = comm.scan(OBJECTS["scan"](r), "sum")
+    out["o_exscan"] = comm.exscan(OBJECTS["exscan"](r), "sum")
+    out["o_all_to_all"] = comm.all_to_all([f"{r}->{d}" for d in range(n)])
+    sub = comm.split(r % 2)
+    assert sub is not None and type(sub) is type(comm)
+    out["split"] = (sub.rank, sub.world_size, sub.all_gather({"small": r}))
+    members = sorted({0, n - 1})
+    group = comm.new_group(members)
+    out["new_group"] = None if group is None else (group.rank, group.world_size, group.all_gather({"small": r}))
     return out
 
 
@@ -128,6 +188,32 @@ def expected(r: int, n: int) -> dict[str, Any]:
         "empty": [b""] * n,
         "skewed": [None] * (n - 1) + [200_000],
         "bad_dst": f"dst={n} is out of range for world_size {n}",
+        **expected_trainer(r, n),
+    }
+
+
+def expected_trainer(r: int, n: int) -> dict[str, Any]:
+    total = float(n * (n + 1) // 2)
+    rows = [s for s in range(n) for _ in range(s % 3)]
+    summed = [n * i + n * (n - 1) / 2 for i in range(2 * n)]
+    same = [s for s in range(n) if s % 2 == r % 2]
+    members = sorted({0, n - 1})
+    return {
+        "t_all_reduce": (True, [[total] * 3] * 2),
+        "t_mean": [[total / n] * 3] * 2,
+        "t_reduce": [float(n - 1)] * 2 if r == n - 1 else [float(r)] * 2,
+        "t_broadcast": [n // 2] * 3,
+        "t_all_gather": ([[s, s] for s in rows], "torch.int64", (2,)),
+        "t_all_gather_0d": [float(s) for s in range(n)],
+        "t_reduce_scatter": summed[2 * r : 2 * r + 2],
+        "o_reduce": set(range(n)) if r == 0 else None,
+        "o_all_reduce": n > 1,
+        "o_all_reduce_fn": 1 if n > 1 else False,
+        "o_scan": (r + 1) * (r + 2) // 2,
+        "o_exscan": None if r == 0 else r * (r + 1) // 2,
+        "o_all_to_all": [f"{s}->{r}" for s in range(n)],
+        "split": (same.index(r), len(same), [{"small": s} for s in same]),
+        "new_group": (members.index(r), len(members), [{"small": s} for s in members]) if r in members else None,
     }
 
 

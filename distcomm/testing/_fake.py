@@ -131,7 +131,8 @@ class FakeCommunicator(Communicator):
         return out.to(tensor.device) if isinstance(out, torch.Tensor) and isinstance(tensor, torch.Tensor) else out
 
     def _gather_tensors(self, tensor: torch.Tensor, timeout: float | None) -> list[torch.Tensor]:
-        return [tensor if r == self._rank else self._peer_tensor(r, tensor) for r in range(self._size)]
+        out = [tensor if r == self._rank else self._peer_tensor(r, tensor) for r in range(self._size)]
+        return [v.reshape(1) if v.dim() == 0 and tensor.dim() == 1 else v for v in out]  # 0-d: one row
 
     def _make_sub(self, groups: list[list[int]], mine: list[int] | None, timeout: float | None) -> Communicator | None:
         if mine is None:

@@ -1,0 +1,269 @@
+"""The trainer-facing API's failure modes: every bad input raises the same error on every rank, and
+the communicator works for the next call. Over real gloo processes and the threaded world.
+
+What every communicator returns for good input is in the contract suite (tests/contract.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import distcomm
+from distcomm.testing import FakeCommunicator, run_threaded, spawn
+from tests.test_faults import outcome
+
+WORLDS = ["gloo", "threaded"]
+
+
+def run(world: str, fn: Callable[[Any], Any], n: int = 3) -> list[Any]:
+    if world == "gloo":
+        return spawn(fn, n, timeout=120)
+    return run_threaded(fn, n, timeout=60)
+
+
+def after(comm: distcomm.Communicator) -> list[float]:
+    """The next collective, to show the communicator still works."""
+    return comm.all_reduce(torch.tensor([float(comm.rank)])).tolist()
+
+
+def tensor_errors(comm: distcomm.Communicator) -> list[Any]:
+    r = comm.rank
+    cases: list[Callable[[], Any]] = [
+        lambda: comm.all_reduce(torch.ones(2 + (r == 2))),  # shape differs on rank 2
+        lambda: comm.all_gather_tensor(torch.ones(r + 1, 3 if r != 1 else 4)),  # trailing dims differ on rank 1
+        lambda: comm.all_reduce(torch.ones(2), "sum" if r else "max"),  # rank 0 asks another op
+        lambda: comm.all_reduce(torch.ones(2)) if r else comm.broadcast_tensor(torch.ones(2)),
+        lambda: comm.all_reduce([1.0] if r == 1 else torch.ones(2)),  # type: ignore[arg-type]
+        lambda: comm.all_reduce(torch.ones(2, dtype=torch.int64), "mean"),
+        lambda: comm.reduce_scatter_tensor(torch.ones(4)),
+        lambda: comm.broadcast_tensor(torch.ones(2, dtype=torch.float64 if r == 2 else torch.float32), src=1),
+    ]
+    return [(outcome(case), after(comm)) for case in cases]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_tensor_input_errors_reach_every_rank(world: str) -> None:
+    results = run(world, tensor_errors)
+    want = [
+        ("CollectiveMismatchError", "rank 2: torch.float32 (3,)", (2,)),
+        ("CollectiveMismatchError", "beyond the first dimension", (1,)),
+        ("CollectiveMismatchError", "op='max'", (0,)),
+        ("CollectiveMismatchError", "ranks called different collectives", (0,)),  # the ranks unlike most
+        ("CollectiveError", "got a list, not a tensor", (1,)),
+        ("CollectiveError", "op='mean' needs a floating point or complex tensor", (0, 1, 2)),
+        ("CollectiveError", "dim 0 must be a multiple of world_size 3", (0, 1, 2)),
+        ("CollectiveMismatchError", "rank 2: torch.float64 (2,)", (2,)),
+    ]
+    for rank, cases in enumerate(results):
+        assert len(cases) == len(want)
+        for i, ((kind, text, ranks, _), nxt) in enumerate(cases):
+            w_kind, w_text, w_ranks = want[i]
+            assert kind == w_kind and w_text in text and tuple(ranks) == w_ranks, (rank, i, kind, text, ranks)
+            assert nxt == [3.0]
+
+
+def test_gloo_refuses_tensors_on_another_device() -> None:
+    def fn(comm: distcomm.Communicator) -> Any:
+        t = torch.empty(2, device="meta") if comm.rank == 1 else torch.ones(2)
+        return outcome(lambda: comm.all_reduce(t)), after(comm)
+
+    for (kind, text, ranks, _), nxt in spawn(fn, 2, timeout=120):
+        assert kind == "CollectiveError" and ranks == (1,) and "takes CPU tensors, this one is on meta" in text
+        assert nxt == [1.0]
+
+
+def test_bad_arguments_raise_before_any_communication() -> None:
+    comm = FakeCommunicator(0, 2)
+    with pytest.raises(ValueError, match="op must be one of"):
+        comm.all_reduce(torch.ones(1), "avg")
+    with pytest.raises(ValueError, match="dst=2 is out of range"):
+        comm.reduce(torch.ones(1), dst=2)
+    with pytest.raises(TypeError, match="check must be a bool"):
+        comm.all_reduce(torch.ones(1), check=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="op must be a callable op"):
+        comm.all_reduce_object(1, "avg")
+    with pytest.raises(TypeError, match="op must be a callable"):
+        comm.scan(1, 3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="color must be an int >= 0 or None"):
+        comm.split(-1)
+    with pytest.raises(ValueError, match="distinct and not empty"):
+        comm.new_group([1, 1])
+    with pytest.raises(ValueError, match="rank 2 is out of range"):
+        comm.new_group([2])
+    assert comm.stats == {} and all(c.error is not None for c in comm.calls)  # nothing reached the pipeline
+    with pytest.raises(ValueError, match="all_reduce: op='mean' needs"):  # check=False: this rank's error, raised here
+        comm.all_reduce(torch.ones(1, dtype=torch.int32), "mean", check=False)
+    local = distcomm.LocalCommunicator()
+    with pytest.raises(TypeError, match="not a tensor"):
+        local.all_reduce([1.0])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="got 2 objects for world_size 1"):
+        local.all_to_all([1, 2])
+
+
+def differentiable(comm: distcomm.Communicator) -> Any:
+    x = torch.full((comm.rank + 1, 2), float(comm.rank + 1), requires_grad=True)
+    gathered = comm.all_gather_tensor(x)
+    weights = torch.arange(1.0, gathered.numel() + 1).reshape(gathered.shape)
+    (gathered * weights).sum().backward()
+    assert x.grad is not None
+    y = torch.ones(2, requires_grad=True)
+    comm.all_reduce(y)  # in place under no_grad: no autograd record, no error on a leaf
+    return x.grad.tolist(), gathered.requires_grad, y.grad_fn is None, y.tolist()
+
+
+@pytest.mark.parametrize("world", [*WORLDS, "fake"])
+def test_all_gather_tensor_is_differentiable(world: str) -> None:
+    n = 3
+    if world == "fake":
+        results = [differentiable(FakeCommunicator(r, n, peers=lambda op, p, obj: obj)) for r in range(n)]
+    else:
+        results = run(world, differentiable, n)
+    rows = [s for s in range(n) for _ in range(s + 1)]
+    for r, (grad, tracked, untracked, summed) in enumerate(results):
+        if world == "fake":  # every peer contributes this rank's tensor and gradient
+            start = r * (r + 1)
+            want = [[n * (2 * (start + i) + 1), n * (2 * (start + i) + 2)] for i in range(r + 1)]
+        else:  # d/dx of sum over ranks of sum(weights * gathered): the world size times this rank's weights
+            start = rows.index(r)
+            want = [[n * (2 * (start + i) + 1), n * (2 * (start + i) + 2)] for i in range(r + 1)]
+        assert grad == want, (r, grad)
+        assert tracked and untracked and summed == [float(n)] * 2
+
+
+def object_errors(comm: distcomm.Communicator) -> list[Any]:
+    r = comm.rank
+    cases: list[Callable[[], Any]] = [
+        lambda: comm.all_reduce_object("x" if r == 2 else r, "sum"),
+        lambda: comm.scan(threading.Lock() if r == 1 else r, "sum"),
+        lambda: comm.reduce_object({r} if r else {0: 0}, "union", dst=1),
+        lambda: comm.all_to_all([r] * (3 if r != 1 else 2)),
+        lambda: comm.all_to_all([threading.Lock() if (r, d) == (2, 0) else d for d in range(3)]),
+    ]
+    return [(outcome(case), after(comm)) for case in cases]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_object_reduction_errors_reach_every_rank(world: str) -> None:
+    want = [
+        ("CollectiveError", "op 'sum' failed on rank 0 combining rank 2's object: TypeError", (2,)),
+        ("SerializationError", "rank 1", (1,)),
+        ("CollectiveError", "'union' needs sets or dicts", (1,)),
+        ("CollectiveError", "all_to_all got 2 objects for world_size 3", (1,)),
+        ("SerializationError", "rank 2", (2,)),
+    ]
+    for rank, cases in enumerate(run(world, object_errors)):
+        for i, ((kind, text, ranks, _), nxt) in enumerate(cases):
+            w_kind, w_text, w_ranks = want[i]
+            assert kind == w_kind and w_text in text and tuple(ranks) == w_ranks, (rank, i, kind, text, ranks)
+            assert nxt == [3.0]
+
+
+def ordered_and_large(comm: distcomm.Communicator) -> Any:
+    r, n = comm.rank, comm.world_size
+    text = comm.scan(chr(ord("a") + r), lambda a, b: a + b)  # not commutative: rank order shows
+    ex = comm.exscan(chr(ord("a") + r), lambda a, b: a + b)
+    big = comm.all_to_all([np.full(100_000 + d, r * 10 + d, dtype=np.float64) for d in range(n)])
+    aligned = all(a.ctypes.data % 64 == 0 for s, a in enumerate(big) if s != r)  # received ones
+    counts = comm.all_reduce_object({"seen": r}, lambda a, b: {"seen": a["seen"] + b["seen"]})
+    return text, ex, [(a.shape[0], float(a[0])) for a in big], aligned, counts
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_rank_order_and_large_all_to_all(world: str) -> None:
+    n = 3
+    for r, (text, ex, big, aligned, counts) in enumerate(run(world, ordered_and_large, n)):
+        assert text == "abc"[: r + 1]
+        assert ex == (None if r == 0 else "abc"[:r])
+        assert big == [(100_000 + r, float(s * 10 + r)) for s in range(n)]
+        assert aligned
+        assert counts == {"seen": 3}
+
+
+def test_all_to_all_respects_max_bytes() -> None:
+    def fn(comm: distcomm.Communicator) -> Any:
+        parts = [np.zeros(50_000 if comm.rank == 0 else 10, dtype=np.uint8) for _ in range(2)]
+        return outcome(lambda: comm.all_to_all(parts)), after(comm)
+
+    results = run_threaded(fn, 2, max_bytes=30_000) + spawn(fn, 2, timeout=120, max_bytes=30_000)
+    for (kind, text, ranks, _), nxt in results:
+        assert kind == "PayloadTooLargeError" and ranks == (0,) and "over max_bytes=30000" in text
+        assert nxt == [1.0]
+
+
+def sub_communicators(comm: distcomm.Communicator) -> Any:
+    r = comm.rank
+    bad_key = outcome(lambda: comm.split(0, key=-r))  # orders the ranks backwards
+    none = comm.split(None if r == 0 else 1)
+    odd = outcome(lambda: comm.new_group([0, 1] if r else [0, 2]))
+    pair = comm.new_group([1, 2])
+    inner = None
+    if pair is not None:
+        inner = (pair.rank, pair.all_reduce(torch.tensor([float(r)])).tolist(),
+                 pair.all_gather_tensor(torch.tensor([r])).tolist(), pair.scan(r, "sum"))
+        solo = pair.split(pair.rank)  # a split of a split
+        assert solo is not None
+        inner += (solo.world_size, solo.all_gather(r))
+    sizes = None if none is None else (none.rank, none.world_size)
+    children = list(comm._children.values())
+    comm_after = after(comm)
+    return bad_key, sizes, odd, inner, comm_after, len(children)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_split_and_new_group(world: str) -> None:
+    for r, (bad_key, sizes, odd, inner, nxt, children) in enumerate(run(world, sub_communicators)):
+        kind, text, ranks, _ = bad_key
+        assert kind == "CollectiveError" and "a torch process group orders its ranks by global rank" in text
+        assert sizes == (None if r == 0 else (r - 1, 2))
+        kind, text, ranks, _ = odd
+        assert kind == "CollectiveMismatchError" and "rank 0: [0, 2]" in text and ranks == (0,)
+        assert inner == (None if r == 0 else (r - 1, [3.0], [1, 2], 1 if r == 1 else 3, 1, [r]))
+        assert nxt == [3.0]
+        assert children == (0 if r == 0 else 2)
+
+
+def test_parent_closes_its_sub_communicators() -> None:
+    def fn(comm: distcomm.Communicator) -> Any:
+        sub = comm.split(0)
+        assert sub is not None
+        sub.all_gather(1)
+        comm.close()
+        return repr(sub)
+
+    for text in spawn(fn, 2, timeout=120) + run_threaded(fn, 2):
+        assert text.endswith("closed)")
+
+
+def test_fake_records_and_scripts_the_new_ops() -> None:
+    comm = FakeCommunicator(1, 3, peers=lambda op, r, obj: torch.full_like(obj, r) if op == "all_reduce" else obj)
+    assert comm.all_reduce(torch.ones(2), "max").tolist() == [2.0, 2.0]
+    assert comm.scan(5, "sum") == 10
+    sub = comm.split(1)
+    assert isinstance(sub, FakeCommunicator) and (sub.rank, sub.world_size) == (1, 3)
+    assert [c.op for c in comm.calls] == ["all_reduce", "scan", "split"]
+    assert comm.calls[0].args["op"] == "max" and comm.calls[2].args == {"color": 1, "key": None}
+    odd = FakeCommunicator(0, 2, peers=lambda op, r, obj: torch.ones(3))
+    with pytest.raises(distcomm.CollectiveMismatchError, match=r"rank 1: torch.float32 \(3,\)"):
+        odd.all_reduce(torch.ones(2))
+
+
+def test_stats_name_what_the_user_called() -> None:
+    def fn(comm: distcomm.Communicator) -> Any:
+        comm.shared_random_seed()
+        comm.all_reduce(torch.ones(1000))
+        try:
+            comm.all_reduce(torch.ones(comm.rank + 1))
+        except distcomm.CollectiveMismatchError:
+            pass
+        stats = comm.stats
+        return sorted(stats), stats["all_reduce"].calls, stats["all_reduce"].bytes_sent
+
+    for names, calls, sent in spawn(fn, 2, timeout=120):
+        assert names == ["all_reduce", "shared_random_seed"]  # no set-up, no error-path exchange
+        assert calls == 2 and sent >= 4000  # the ring's share of 4,000 bytes, plus the checks
