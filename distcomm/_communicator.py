@@ -28,6 +28,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import datetime
+import functools
 import gc
 import hashlib
 import math
@@ -274,7 +275,7 @@ def _odd_ones(values: Sequence[Any]) -> list[int]:
     """The ranks whose value differs from the one most ranks have (the lowest rank's among equals)."""
     usual = max(values, key=values.count)
     return [r for r, v in enumerate(values) if v != usual]
-_NO_PAUSE = contextlib.nullcontext()
+_NOTHING = contextlib.nullcontext()
 
 
 def _tensor_fields(op: Op, tensor: Any, rop: str | None, problem: str | None) -> tuple[int, bytes]:
@@ -284,8 +285,16 @@ def _tensor_fields(op: Op, tensor: Any, rop: str | None, problem: str | None) ->
         return 0, bytes(8)
     shape = tuple(tensor.shape)
     if op is Op.ALL_GATHER_TENSOR:
-        return _digest((str(tensor.dtype), shape[1:], rop)), _I64.pack(shape[0] if shape else 1)
-    return _digest((str(tensor.dtype), shape, rop)), bytes(8)
+        return _tensor_digest(tensor.dtype, shape[1:], rop), _I64.pack(shape[0] if shape else 1)
+    return _tensor_digest(tensor.dtype, shape, rop), _ZERO_WORD
+
+
+_ZERO_WORD = bytes(8)
+
+
+@functools.lru_cache(maxsize=256)
+def _tensor_digest(dtype: torch.dtype, shape: tuple[int, ...], rop: str | None) -> int:
+    return _digest((str(dtype), shape, rop))
 
 
 class _AllGather(torch.autograd.Function):
@@ -741,7 +750,7 @@ class Communicator(abc.ABC):
         nbytes = x.numel() * x.element_size()
         differentiable = gathering and x.requires_grad and torch.is_grad_enabled()
         out: torch.Tensor
-        with torch.no_grad():
+        with torch.no_grad() if tensor.requires_grad else _NOTHING:  # the collectives don't record autograd
             if gathering:
                 rows = [int(n) for n in counts] if counts is not None else [x.shape[0]] * world
                 total = sum(rows) * (nbytes // max(x.shape[0], 1))
@@ -966,7 +975,7 @@ class Communicator(abc.ABC):
         out: list[Any] = [None] * world
         out[me] = objs[me]
         view, at = _mv(recv), 0
-        with _GCPause() if recv.numel() >= _GC_PAUSE_BYTES else _NO_PAUSE:
+        with _GCPause() if recv.numel() >= _GC_PAUSE_BYTES else _NOTHING:
             for src, n in enumerate(got):
                 if src != me:
                     out[src] = self._load(Op.ALL_TO_ALL, seq, src, [(view[at : at + n], False)], True)

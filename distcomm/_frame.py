@@ -284,16 +284,20 @@ def unpack(buf: memoryview) -> list[memoryview]:
 _WORD_OFFSET = HEADER_SIZE + 4 + 8  # one part of one segment: its count, its entry, then its bytes
 
 
+@functools.lru_cache(maxsize=64)
+def _word_dtype(slot_size: int) -> np.dtype[Any]:
+    return np.dtype({"names": ["nparts", "nsegs", "total", "entry", "word"],
+                     "formats": ["<u4", "<u4", "<i8", "<i8", "<i8"],
+                     "offsets": [20, 24, 36, HEADER_SIZE + 4, _WORD_OFFSET], "itemsize": slot_size})
+
+
 def inline_words(raw: memoryview | bytes | bytearray, count: int, slot_size: int) -> np.ndarray[Any, Any]:
     """The 8 inline bytes each of ``count`` slots carries as its only segment, as int64 values.
 
     For slots already checked by ``headers``. Raises FrameError naming the first slot that doesn't
     hold exactly one inline segment of 8 bytes.
     """
-    dt = np.dtype({"names": ["nparts", "nsegs", "total", "entry", "word"],
-                   "formats": ["<u4", "<u4", "<i8", "<i8", "<i8"],
-                   "offsets": [20, 24, 36, HEADER_SIZE + 4, _WORD_OFFSET], "itemsize": slot_size})
-    arr = np.frombuffer(raw, dtype=dt, count=count)
+    arr = np.frombuffer(raw, dtype=_word_dtype(slot_size), count=count)
     bad = (arr["nparts"] != 1) | (arr["nsegs"] != 1) | (arr["total"] != 8) | (arr["entry"] != -9)
     if bad.any():
         raise FrameError(f"slot {int(np.flatnonzero(bad)[0])} doesn't carry one 8-byte value")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import secrets
 import socket
@@ -37,6 +38,11 @@ _HOW_TO_START = (
 
 def _c10d() -> Any:
     return torch._C._distributed_c10d
+
+
+@functools.lru_cache(maxsize=16)
+def _timedelta(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
 
 
 def _td(seconds: float | None) -> datetime.timedelta | None:
@@ -87,6 +93,7 @@ class _TorchCommunicator(Communicator):
         self._ranks = list(dist.get_process_group_ranks(self._group))
         self._check_backend(dist.get_backend(self._group))
         self._opts_cache: tuple[float | None, Any] | None = None
+        self._opts_made: dict[tuple[str, float | None, str | None, int | None], Any] = {}
         self._slot_bufs: tuple[torch.Tensor, memoryview, torch.Tensor, memoryview] | None = None
         self._obj_group: Any = self._object_group()
         try:
@@ -187,7 +194,7 @@ class _TorchCommunicator(Communicator):
                 for w in works:
                     w.wait()
             elif len(works) == 1:
-                works[0].wait(datetime.timedelta(seconds=timeout))
+                works[0].wait(_timedelta(timeout))
             else:
                 deadline = time.monotonic() + timeout
                 for w in works:
@@ -255,20 +262,29 @@ class _TorchCommunicator(Communicator):
     _REDUCE_OPS: ClassVar[dict[str, str]] = {"sum": "SUM", "mean": "SUM", "min": "MIN", "max": "MAX", "prod": "PRODUCT"}
 
     def _device_problem(self, tensor: torch.Tensor) -> str | None:
-        if tensor.device.type != "cpu":
+        if not tensor.is_cpu:
             return (f"{type(self).__name__} takes CPU tensors, this one is on {tensor.device} "
                     f"(NcclCommunicator moves CUDA tensors)")
         return None
 
     def _opts(self, kind: str, timeout: float | None, op: str | None = None, root: int | None = None) -> Any:
-        c = _c10d()
-        opts = getattr(c, kind)()
-        if timeout is not None:
-            opts.timeout = datetime.timedelta(seconds=timeout)
-        if op is not None:
-            opts.reduceOp = getattr(c.ReduceOp, self._REDUCE_OPS[op])
-        if root is not None:
-            opts.rootRank = root
+        """A native collective's options, made once per combination (torch copies them per call)."""
+        key = (kind, timeout, op, root)
+        opts = self._opts_made.get(key)
+        if opts is None:
+            c = _c10d()
+            opts = getattr(c, kind)()
+            if timeout is not None:
+                opts.timeout = datetime.timedelta(seconds=timeout)
+            if op is not None:
+                opts.reduceOp = getattr(c.ReduceOp, self._REDUCE_OPS[op])
+            if root is not None:
+                opts.rootRank = root
+            if kind == "BroadcastOptions":
+                opts.rootTensor = 0
+            if len(self._opts_made) > 256:
+                self._opts_made.clear()
+            self._opts_made[key] = opts
         return opts
 
     def _native(self, call: Any, timeout: float | None) -> None:
@@ -287,7 +303,6 @@ class _TorchCommunicator(Communicator):
 
     def _tensor_broadcast(self, tensor: torch.Tensor, src: int, timeout: float | None) -> None:
         opts = self._opts("BroadcastOptions", timeout, root=src)
-        opts.rootTensor = 0
         self._native(lambda: self._group.broadcast([tensor], opts), timeout)
 
     def _tensor_all_gather(self, out: torch.Tensor, tensor: torch.Tensor, rows: list[int],

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from distcomm.testing import FakeCommunicator, run_threaded
-from examples.evaluate import NUM_SAMPLES, evaluate
+from examples.evaluate import NUM_SAMPLES, evaluate, evaluate_in_order, predict
 from examples.train import Trainer
 
 
@@ -26,6 +26,8 @@ def test_trainer_averages_with_reduce_dict() -> None:
     Trainer(comm, steps=3, log=lambda s: None).fit()
     ops = [c.op for c in comm.calls]
     assert ops.count("reduce_dict") == 3 and ops[0] == "shared_random_seed"
+    assert ops.count("all_reduce") == 6  # weight and bias gradients, every step
+    assert all(c.args["op"] == "mean" for c in comm.calls if c.op == "all_reduce")
     first = next(c for c in comm.calls if c.op == "reduce_dict")
     assert set(first.result) == {"loss", "mae"}
 
@@ -58,3 +60,28 @@ def test_trainer_failure_names_the_rank() -> None:
         run_threaded(lambda comm: Broken(comm, steps=2, log=lambda s: None).fit(), 2, timeout=30)
     assert info.value.rank == 1
     assert torch.is_tensor(torch.tensor(0))
+
+
+@pytest.mark.parametrize("world_size", [1, 3, 4])
+def test_evaluate_in_order_lays_blocks_end_to_end(world_size: int) -> None:
+    import numpy as np
+
+    want = [p["score"] for p in predict(np.arange(NUM_SAMPLES))]
+    for scores in run_threaded(evaluate_in_order, world_size):
+        assert scores.tolist() == want
+
+
+def _weights(comm: Any, ddp: bool) -> list[float]:
+    trainer = Trainer(comm, steps=5, log=lambda s: None, ddp=ddp)
+    trainer.fit()
+    return [round(float(p.detach().sum()), 5) for p in trainer.model.parameters()]
+
+
+def test_trainer_with_ddp_over_the_communicators_group() -> None:
+    """DDP over comm.group and the tensor all-reduce train the same weights, the same on every rank."""
+    from distcomm.testing import spawn
+
+    with_ddp = spawn(lambda comm: _weights(comm, True), 2, timeout=120)
+    by_hand = spawn(lambda comm: _weights(comm, False), 2, timeout=120)  # threads would share torch's seed
+    assert with_ddp[0] == with_ddp[1]
+    assert by_hand[0] == by_hand[1]

@@ -17,21 +17,26 @@ import distcomm
 class Trainer:
     """Fits y = 3x + 1 with one linear layer; each rank sees its own shard of the data.
 
-    Every step the ranks average their gradients (all_gather of tensors), then average the loss
-    dict with reduce_dict; only the main process logs.
+    Every step the ranks average their gradients with the tensor all-reduce (or, with ``ddp=True``,
+    let DistributedDataParallel do it over the communicator's process group), then average the
+    loss dict with reduce_dict; only the main process logs.
     """
 
     def __init__(self, comm: distcomm.Communicator, *, steps: int = 20, lr: float = 0.5,
-                 log: Callable[[str], None] = print) -> None:
+                 log: Callable[[str], None] = print, ddp: bool = False) -> None:
         self.comm = comm
         self.steps = steps
         self.lr = lr
         self.log = log
+        self.ddp = ddp
 
     def fit(self) -> list[dict[str, float]]:
         comm = self.comm
         torch.manual_seed(comm.shared_random_seed())  # the same initial weights on every rank
-        model = torch.nn.Linear(1, 1)
+        model: torch.nn.Module = torch.nn.Linear(1, 1)
+        if self.ddp:  # the communicator owns the process group; DDP averages the gradients over it
+            model = torch.nn.parallel.DistributedDataParallel(model, process_group=comm.group)
+        self.model = model
         opt = torch.optim.SGD(model.parameters(), lr=self.lr)
         gen = torch.Generator().manual_seed(1000 + comm.rank)  # this rank's shard
         x = torch.rand(64, 1, generator=gen) * 2 - 1
@@ -42,9 +47,10 @@ class Trainer:
             pred = model(x)
             loss = torch.nn.functional.mse_loss(pred, y)
             loss.backward()
-            grads = comm.all_gather([p.grad for p in model.parameters()])
-            for i, p in enumerate(model.parameters()):
-                p.grad = torch.stack([g[i] for g in grads]).mean(0)
+            if not self.ddp:
+                for p in model.parameters():
+                    assert p.grad is not None
+                    comm.all_reduce(p.grad, "mean")  # in place, the same on every rank
             opt.step()
             logged = comm.reduce_dict({"loss": loss.detach(), "mae": (pred - y).abs().mean().detach()})
             if comm.is_main_process:
@@ -53,22 +59,24 @@ class Trainer:
                 if step % 5 == 0 or step == self.steps - 1:
                     self.log(f"step {step:2d}  " + "  ".join(f"{k}={v:.4f}" for k, v in row.items()))
         if comm.is_main_process:
-            w, b = float(model.weight.detach()), float(model.bias.detach())
+            layer = model.module if self.ddp else model
+            w, b = float(layer.weight.detach()), float(layer.bias.detach())
             self.log(f"trained on {comm.world_size} process(es): y = {w:.3f} x + {b:.3f} (target: 3x + 1)")
         return history
 
 
-def _run(steps: int) -> None:
-    Trainer(distcomm.current(), steps=steps).fit()
+def _run(steps: int, ddp: bool) -> None:
+    Trainer(distcomm.current(), steps=steps, ddp=ddp).fit()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--nproc", type=int, default=2, help="processes on this machine")
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--ddp", action="store_true", help="wrap the model in DistributedDataParallel")
     args = parser.parse_args()
     print(f"distcomm demo: training a toy model on {args.nproc} CPU processes (gloo over 127.0.0.1)")
-    distcomm.launch(_run, args.nproc, args=(args.steps,), timeout=120)
+    distcomm.launch(_run, args.nproc, args=(args.steps, args.ddp), timeout=120, backend="gloo")
 
 
 if __name__ == "__main__":
