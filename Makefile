@@ -6,17 +6,23 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.distcomm-installed
 
-.PHONY: help install demo test test-large test-gpu lint typecheck bench bench-wire bench-simulate clean
+.PHONY: help install demo test test-large test-gpu lint typecheck bench bench-full bench-tensors bench-wire \
+	bench-simulate clean
 
 help:  ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
 
 $(STAMP): pyproject.toml Makefile
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[dev]"
-	touch $(STAMP)
+	@echo "==> set-up, once: a virtual environment in $(VENV) (about 2-3 minutes in all)"
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@echo "==> [1/3] upgrading pip"
+	@$(BIN)/python -m pip install -q --upgrade pip
+	@echo "==> [2/3] installing $(TORCH_SPEC) (the CPU build: the largest step, about a minute)"
+	@$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	@echo "==> [3/3] installing distcomm (editable) and its dev tools: pytest, ruff, mypy, hypothesis, matplotlib"
+	@PYTHONWARNINGS=ignore $(BIN)/python -m pip install -q -e ".[dev]"  # quiet the build backend's notices
+	@touch $(STAMP)
+	@echo "==> set-up done"
 
 install: $(STAMP)  ## create .venv and install distcomm with its dev tools
 
@@ -39,8 +45,16 @@ lint: $(STAMP)  ## ruff
 typecheck: $(STAMP)  ## mypy --strict
 	$(BIN)/mypy distcomm
 
-bench: $(STAMP)  ## time against torch at 2-16 ranks, bytes per call, peak memory
-	$(BIN)/python benchmarks/run.py
+bench: $(STAMP)  ## quick timing against torch at 2-8 ranks, tensor collectives too (writes benchmarks/out/)
+	$(BIN)/python benchmarks/run.py --quick
+	$(BIN)/python benchmarks/tensors.py --quick
+
+bench-full: $(STAMP)  ## the README's figures: full runs at 2-8 ranks, sweep, peak memory (benchmarks/results/)
+	$(BIN)/python benchmarks/run.py --save
+	$(BIN)/python benchmarks/tensors.py
+
+bench-tensors: $(STAMP)  ## tensor all_reduce and all_gather_tensor against torch.distributed on the same group
+	$(BIN)/python benchmarks/tensors.py
 
 bench-wire: $(STAMP)  ## bytes on the wire per rank, one network namespace per rank (needs root)
 	$(BIN)/python benchmarks/wire.py --world 8 16

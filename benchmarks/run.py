@@ -15,7 +15,8 @@ turn, after a barrier), each the slowest rank's time; small payloads time a batc
 back and divide, so that the skew with which ranks leave the barrier doesn't swamp them. Ratios
 are taken within one run. Peak memory is the rise
 of each process's peak RSS during one collective of a 256 MiB array per rank, each implementation
-in fresh processes. Writes benchmarks/results/results.md, results.json and time_vs_size.png.
+in fresh processes. Writes results.md, results.json and time_vs_size.png into benchmarks/out/ (not
+tracked by git), or into benchmarks/results/ (the figures the README quotes) with --save.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ import torch.multiprocessing as mp
 
 import distcomm
 
-RESULTS = Path(__file__).resolve().parent / "results"
+HERE = Path(__file__).resolve().parent
+PAYLOADS = ["dict of 8 floats", "2,000 small dicts", "32 MiB array", "32 MiB tensor", "skewed 32 MiB", "8 MiB array"]
 MiB = 1 << 20
 
 
@@ -217,7 +219,12 @@ def _reps(name: str, size: int, quick: bool) -> int:
 def time_worker(rank: int, world: int, port: int, cases: list[tuple[str, str, int]], quick: bool, out: str) -> None:
     comm = _init(rank, world, port)
     rows = []
-    for name, op, size in cases:
+    start = time.monotonic()
+    for i, (name, op, size) in enumerate(cases):
+        if rank == 0:
+            print(f"  [{i + 1}/{len(cases)}] world {world}: {op} of {name}"
+                  + (f" ({size} B)" if name == "array" else "") + f"  ({time.monotonic() - start:.0f} s so far)",
+                  flush=True)
         obj = payload(name, rank, size)
         impls = make_impls(comm, op, obj)
         nbytes = payload_bytes(obj)
@@ -316,40 +323,53 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--no-plot", action="store_true")
-    parser.add_argument("--payload", action="append", help="time only this payload (repeatable); prints the "
-                        "table and writes nothing, like --world")
-    parser.add_argument("--world", action="append", type=int, help="time only this world size (repeatable)")
+    parser.add_argument("--payload", action="append", choices=PAYLOADS, metavar="NAME",
+                        help="time only this payload (repeatable), one of: " + "; ".join(repr(p) for p in PAYLOADS)
+                        + ". Prints the table and writes nothing, like --world")
+    parser.add_argument("--world", action="append", type=int, help="time only this world size (repeatable; "
+                        "default 2, 4, 8)")
+    parser.add_argument("--save", action="store_true", help="write into benchmarks/results/ (the README's "
+                        "figures) instead of benchmarks/out/")
     args = parser.parse_args()
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    tmp = RESULTS / "_tmp.json"
-    names = ["dict of 8 floats", "2,000 small dicts", "32 MiB array", "32 MiB tensor", "skewed 32 MiB",
-             "8 MiB array"]
+    results = HERE / ("results" if args.save else "out")
+    results.mkdir(parents=True, exist_ok=True)
+    tmp = results / "_tmp.json"
+    names = list(PAYLOADS)
     rooted = ["dict of 8 floats", "8 MiB array"]  # broadcast and scatter, and every op from 8 ranks
     partial = bool(args.payload or args.world)
     if args.payload:
-        unknown = [n for n in args.payload if n not in names]
-        if unknown:
-            parser.error(f"unknown payloads {unknown}; choose from {names}")
         names = args.payload
     if partial:
         args.no_plot = args.no_memory = True
     rows: list[dict[str, Any]] = []
-    for world in args.world or (2, 4, 8, 16):
-        ops = ("all_gather", "gather", "broadcast", "scatter")
-        cases = [(n, op, 32 * MiB) for n in names for op in ops
-                 if n in rooted or (world <= 4 and op in ("all_gather", "gather"))]
+    worlds = args.world or (2, 4, 8)
+    ops = ("all_gather", "gather", "broadcast", "scatter")
+
+    def cases_at(world: int) -> list[tuple[str, str, int]]:
+        return [(n, op, 32 * MiB) for n in names for op in ops
+                if n in rooted or (world <= 4 and op in ("all_gather", "gather"))]
+
+    # a rough guess from runs on 2 cores: seconds per case times the ranks sharing them
+    guess = sum(len(cases_at(w)) * (4 if args.quick else 12) * max(w / 2, 1) for w in worlds)
+    print(f"benchmarks: {sum(len(cases_at(w)) for w in worlds)} timing cases at worlds {list(worlds)}"
+          f"{'' if partial else ', a size sweep and peak memory'}; roughly {guess / 60:.0f} min or more on 2 cores",
+          flush=True)
+    for world in worlds:
+        cases = cases_at(world)
         if cases:
             print(f"timing {len(cases)} cases at world {world} ...", flush=True)
             run_world(time_worker, world, cases, args.quick, str(tmp))
             rows += json.loads(tmp.read_text())
     sweep: list[dict[str, Any]] = []
     if not args.no_plot:
+        print("timing the all_gather size sweep at world 2 ...", flush=True)
         sizes = [1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 23, 1 << 25]
         run_world(time_worker, 2, [("array", "all_gather", s) for s in sizes], args.quick, str(tmp))
         sweep = json.loads(tmp.read_text())
     threaded = [] if partial else [threaded_small(w, 50 if args.quick else 200) for w in (2, 4)]
     mem: list[dict[str, Any]] = []
     if not args.no_memory:
+        print("measuring peak memory (256 MiB per rank) ...", flush=True)
         for op in ("all_gather", "gather"):
             for impl in ("distcomm", "torch", "naive", "floor"):
                 run_world(memory_worker, 2, impl, op, 256 * MiB, str(tmp))
@@ -394,8 +414,8 @@ def main() -> None:
     print(text)
     if partial:
         return
-    (RESULTS / "results.md").write_text(text)
-    (RESULTS / "results.json").write_text(json.dumps({"time": rows, "sweep": sweep, "memory": mem,
+    (results / "results.md").write_text(text)
+    (results / "results.json").write_text(json.dumps({"time": rows, "sweep": sweep, "memory": mem,
                                                     "threaded": threaded}, indent=1))
     if sweep:
         import matplotlib
@@ -414,8 +434,8 @@ def main() -> None:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
         fig.tight_layout()
-        fig.savefig(RESULTS / "time_vs_size.png", dpi=110)
-        print(f"wrote {RESULTS / 'results.md'} and {RESULTS / 'time_vs_size.png'}")
+        fig.savefig(results / "time_vs_size.png", dpi=110)
+        print(f"wrote {results / 'results.md'} and {results / 'time_vs_size.png'}")
 
 
 if __name__ == "__main__":

@@ -315,6 +315,25 @@ class _AllGather(torch.autograd.Function):
         return total[start : start + rows[comm.rank]], None, None, None
 
 
+class MainProcessFlag(int):
+    """``comm.is_main_process``: 1 (True) or 0 (False), printed as True or False, and callable.
+
+    ``if comm.is_main_process:`` and ``if comm.is_main_process():`` both work; ``bool(flag)`` is a
+    plain bool (``flag is True`` is not: it's an int, like True itself is).
+    """
+
+    def __call__(self) -> bool:
+        return bool(self)
+
+    def __repr__(self) -> str:
+        return repr(bool(self))
+
+    __str__ = __repr__
+
+
+_MAIN, _NOT_MAIN = MainProcessFlag(1), MainProcessFlag(0)
+
+
 class Communicator(abc.ABC):
     """Everything a job's processes say to each other, behind one object.
 
@@ -369,6 +388,7 @@ class Communicator(abc.ABC):
         self._broken: str | None = None
         self._stats: dict[str, OpStats] = {}
         self._cur = OpStats()  # the counters of the collective in progress
+        self._op_label = "setup"  # its name, for errors the transport raises
         # communicators over other groups that the module helpers' group= argument asked for
         self._children: dict[Any, Communicator] = {}
         self._local = (0, 1)  # (local rank, local size)
@@ -425,9 +445,10 @@ class Communicator(abc.ABC):
         self._local = (mine.index(self.rank), len(mine))
 
     @property
-    def is_main_process(self) -> bool:
-        """True on rank 0."""
-        return self.rank == 0
+    def is_main_process(self) -> MainProcessFlag:
+        """True on rank 0: a bool-like flag that can also be called, so that ``comm.is_main_process``
+        and ``comm.is_main_process()`` (the module helper's spelling) both work."""
+        return _MAIN if self.rank == 0 else _NOT_MAIN
 
     @property
     def device(self) -> torch.device:
@@ -745,6 +766,7 @@ class Communicator(abc.ABC):
         else:
             st.calls += 1
             self._cur = st
+            self._op_label = op.label
             counts = None
         t1 = time.perf_counter()
         nbytes = x.numel() * x.element_size()
@@ -933,7 +955,6 @@ class Communicator(abc.ABC):
             if problem:
                 raise ValueError(problem)
             return [objs[0]]
-        st = self._stat(Op.ALL_TO_ALL)
         t0 = time.perf_counter()
         status, packed = _frame.INVALID, []
         if problem is None:
@@ -947,6 +968,7 @@ class Communicator(abc.ABC):
             if total > self.max_bytes:
                 status, problem = _frame.TOO_LARGE, f"payload of {total} bytes is over max_bytes={self.max_bytes}"
         self._run(Op.ALL_TO_ALL, -1, objs, t, serialize=False, invalid=problem, invalid_status=status)
+        st = self._cur
         t1 = time.perf_counter()
         seq = self._seq
         try:
@@ -1218,6 +1240,7 @@ class Communicator(abc.ABC):
         returns every rank's 8 bytes as an int64. ``stat``: count this call under that op.
         """
         st = self._stat(op if stat is None else stat)
+        self._op_label = (op if stat is None else stat).label
         kind = _ROUTE[op]
         t0 = time.perf_counter()
         size = self._slot_size if slot_size is None else slot_size

@@ -365,7 +365,8 @@ class _TorchCommunicator(Communicator):
         text = str(exc).split("\n")[0]
         low = text.lower()
         seq = self._seq
-        self._mark_broken(f"call #{seq}: {text[:160]}")
+        what = f"{self._op_label} (call #{seq})"
+        self._mark_broken(f"{what}: {text[:160]}")
         grace = 2.0 if timeout is None else min(2.0, max(0.5, timeout / 4))
         present = self._reported(grace)
         missing = [] if present is None else [r for r in range(self._world) if r not in present]
@@ -376,17 +377,18 @@ class _TorchCommunicator(Communicator):
         closed = "closed" in low or "reset" in low or "broken pipe" in low or "connection" in low
         if timed_out and not ("closed by peer" in low and present is not None and not missing):
             raise CollectiveTimeoutError(
-                f"call #{seq} timed out after {timeout}s waiting for its peers{who} (transport: {text[:200]})",
+                f"{what} timed out after {timeout}s waiting for its peers{who} (transport: {text[:200]})",
                 ranks=missing) from exc
         if closed and present is not None and not missing:
             raise CollectiveTimeoutError(
-                f"call #{seq}: every rank reached it, but peers gave up (their timeout expired) before this "
+                f"{what}: every rank reached it, but peers gave up (their timeout expired) before this "
                 f"rank arrived (transport: {text[:200]})") from exc
         if closed:
             raise PeerError(
-                f"call #{seq}: lost a peer (it exited or its connection closed){who} (transport: {text[:200]})",
+                f"{what}: lost a peer (it exited or its connection closed){who} (transport: {text[:200]})",
                 ranks=missing) from exc
-        raise CollectiveError(f"call #{seq} failed in the transport{who}: {text[:300]}", ranks=missing) from exc
+        raise CollectiveError(f"{what} failed in the transport{who}: {text[:300]}", op=self._op_label,
+                              ranks=missing) from exc
 
     # ------------------------------------------------------------------ construction from the environment
     @classmethod

@@ -146,7 +146,8 @@ class ThreadedCommunicator(Communicator):
             return fn()
         except CollectiveTimeoutError as e:
             self._mark_broken(str(e))
-            raise
+            raise CollectiveTimeoutError(f"{self._op_label} (call #{self._seq}): {e}", op=self._op_label,
+                                         ranks=e.ranks) from e
         finally:
             if holding:
                 self._world.baton.acquire()
