@@ -225,22 +225,24 @@ class _GCPause:
 
     _lock = threading.Lock()
     _depth = 0
-    _was_enabled = False
+    _threshold: tuple[int, ...] = (700, 10, 10)
 
+    # It sets the collector's first threshold to 0 (no automatic collections) rather than calling
+    # gc.disable(): a gc.disable() or gc.enable() of the user's, from any thread, meanwhile stays as it is.
     def __enter__(self) -> None:
         cls = _GCPause
         with cls._lock:
             if cls._depth == 0:
-                cls._was_enabled = gc.isenabled()
-                gc.disable()
+                cls._threshold = gc.get_threshold()
+                gc.set_threshold(0, *cls._threshold[1:])
             cls._depth += 1
 
     def __exit__(self, *exc: object) -> None:
         cls = _GCPause
         with cls._lock:
             cls._depth -= 1
-            if cls._depth == 0 and cls._was_enabled:
-                gc.enable()
+            if cls._depth == 0 and gc.get_threshold()[0] == 0:  # thresholds the user set meanwhile stay
+                gc.set_threshold(*cls._threshold)
 
 
 _GC_PAUSE_BYTES = 16 * 1024
@@ -353,6 +355,10 @@ class Communicator(abc.ABC):
             "device" (this rank's CUDA device when it has one, else CPU) or "cpu".
     """
 
+    # In a world of one, collectives return at once without serializing (LocalCommunicator); the
+    # fake sets this False to run the whole pipeline at every world size.
+    _alone = True
+
     # Step 2 runs as one all-to-all unless a rank would have to copy more than this many bytes to
     # line up its sends, or any rank sends or receives more than the max: then point to point.
     _alltoall_copy_bytes = 1 << 20
@@ -392,6 +398,8 @@ class Communicator(abc.ABC):
         # communicators over other groups that the module helpers' group= argument asked for
         self._children: dict[Any, Communicator] = {}
         self._local = (0, 1)  # (local rank, local size)
+        self._busy = threading.Lock()  # held while a collective runs: one at a time, from one thread
+        self._busy_thread = 0
 
     # ------------------------------------------------------------------ identity
     @property
@@ -543,6 +551,10 @@ class Communicator(abc.ABC):
                 f"({self._broken}); its ranks no longer agree on what was sent"
             )
 
+    def _alone_error(self, op: Op, problem: str) -> CollectiveError:
+        """The error a world of one raises for a rank's bad input: what every rank raises in larger worlds."""
+        return CollectiveError(f"{op.label} failed on rank 0:\n  rank 0: {problem}", op=op.label, ranks=[0])
+
     def _mark_broken(self, why: str) -> None:
         if self._broken is None:  # the first failure is the one worth naming
             self._broken = why
@@ -583,7 +595,7 @@ class Communicator(abc.ABC):
         """Wait until every rank has called it (a barrier). Every rank must call it."""
         self._check_usable()
         t = self._op_timeout(timeout)
-        if self.world_size == 1:
+        if self.world_size == 1 and self._alone:
             return
         self._run(Op.BARRIER, -1, None, t, serialize=False)
         self._device_barrier(t)
@@ -597,7 +609,7 @@ class Communicator(abc.ABC):
         """
         self._check_usable()
         t = self._op_timeout(timeout)
-        if self.world_size == 1:
+        if self.world_size == 1 and self._alone:
             return [obj]
         return self._run(Op.ALL_GATHER, -1, obj, t)
 
@@ -610,7 +622,7 @@ class Communicator(abc.ABC):
         self._check_usable()
         self._check_root("dst", dst)
         t = self._op_timeout(timeout)
-        if self.world_size == 1:
+        if self.world_size == 1 and self._alone:
             return [obj]
         out = self._run(Op.GATHER, int(dst), obj, t)
         return out if self.rank == dst else []
@@ -623,7 +635,7 @@ class Communicator(abc.ABC):
         self._check_usable()
         self._check_root("src", src)
         t = self._op_timeout(timeout)
-        if self.world_size == 1:
+        if self.world_size == 1 and self._alone:
             return obj
         out = self._run(Op.BROADCAST, int(src), obj, t)
         return out[int(src)]
@@ -647,9 +659,9 @@ class Communicator(abc.ABC):
                            f"got {type(objs).__name__}")
             elif len(objs) != self.world_size:
                 problem = f"scatter on src {src} got {len(objs)} objects for world_size {self.world_size}"
-            if self.world_size == 1:
+            if self.world_size == 1 and self._alone:
                 if problem:
-                    raise ValueError(problem)
+                    raise self._alone_error(Op.SCATTER, problem)
                 assert objs is not None
                 return objs[0]
             out = self._run(Op.SCATTER, src, objs, t, invalid=problem)
@@ -662,7 +674,7 @@ class Communicator(abc.ABC):
         self._check_usable()
         t = self._op_timeout(timeout)
         seed = int(np.random.randint(2**31))
-        if self.world_size == 1:
+        if self.world_size == 1 and self._alone:
             return seed
         return int(self._run(Op.SHARED_RANDOM_SEED, 0, seed, t)[0])
 
@@ -753,11 +765,13 @@ class Communicator(abc.ABC):
         t = self._op_timeout(timeout)
         world = self.world_size
         problem = self._tensor_input_problem(op, tensor, rop)
-        if problem is not None and (world == 1 or not check):
+        if problem is not None and not check:
             raise (TypeError if not isinstance(tensor, torch.Tensor) else ValueError)(f"{op.label}: {problem}")
+        if problem is not None and world == 1 and self._alone:
+            raise self._alone_error(op, problem)
         gathering = op is Op.ALL_GATHER_TENSOR
         x = tensor.reshape(1) if gathering and tensor.dim() == 0 else tensor
-        if world == 1:
+        if world == 1 and self._alone:
             return x.clone() if gathering or op is Op.REDUCE_SCATTER_TENSOR else tensor
         st = self._stat(op)
         t0 = time.perf_counter()
@@ -901,7 +915,7 @@ class Communicator(abc.ABC):
         # its outcome: the result, or the fold's error so that every rank raises it.
         self._check_usable()
         t = self._op_timeout(timeout)
-        if self.world_size == 1:
+        if self.world_size == 1 and self._alone:
             return None if op is Op.EXSCAN else obj
         objs = self._run(op, root, obj, t)
         prefix = op is Op.SCAN or op is Op.EXSCAN
@@ -951,9 +965,9 @@ class Communicator(abc.ABC):
             problem = f"all_to_all needs a sequence of {world} objects, got {type(objs).__name__}"
         elif len(objs) != world:
             problem = f"all_to_all got {len(objs)} objects for world_size {world}"
-        if world == 1:
+        if world == 1 and self._alone:
             if problem:
-                raise ValueError(problem)
+                raise self._alone_error(Op.ALL_TO_ALL, problem)
             return [objs[0]]
         t0 = time.perf_counter()
         status, packed = _frame.INVALID, []
@@ -1048,7 +1062,8 @@ class Communicator(abc.ABC):
                timeout: float | datetime.timedelta | None) -> Communicator | None:
         self._check_usable()
         t = self._op_timeout(timeout)
-        infos = [(color, key, agree)] if self.world_size == 1 else self._run(Op.SPLIT, -1, (color, key, agree), t)
+        asked = (color, key, agree)
+        infos = [asked] if self.world_size == 1 and self._alone else self._run(Op.SPLIT, -1, asked, t)
         label = "new_group" if agree is not None else "split"
         if len({repr(a) for _, _, a in infos}) > 1:
             rows = "\n".join(f"  rank {r}: {list(a) if a is not None else 'split'}"
@@ -1105,9 +1120,9 @@ class Communicator(abc.ABC):
                 break
         if problem is None and len({input_dict[k].device for k in names}) > 1:
             problem = "values are on different devices"
-        if self.world_size == 1:
+        if self.world_size == 1 and self._alone:
             if problem:
-                raise ValueError(f"reduce_dict: {problem}")
+                raise self._alone_error(op, problem)
             return {k: input_dict[k] for k in names}
         # Every rank reduces in the same dtype whatever its values' dtypes (float64, exact for float32
         # and for integers below 2**53; complex128 when the dicts hold complex values), and the
@@ -1668,3 +1683,43 @@ class Communicator(abc.ABC):
                     segs.append((_mv(buf), False))
             plan.incoming[src] = segs
         return plan
+
+
+# ---------------------------------------------------------------- one collective at a time
+_COLLECTIVES = ("synchronize", "all_gather", "gather", "broadcast", "scatter", "shared_random_seed", "reduce_dict",
+                "all_reduce_dict", "all_reduce", "reduce", "broadcast_tensor", "all_gather_tensor",
+                "reduce_scatter_tensor", "reduce_object", "all_reduce_object", "scan", "exscan", "all_to_all",
+                "split", "new_group", "create_local_groups")
+
+
+def _exclusive(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Refuse a second collective on a communicator while one runs: from another thread (the two
+    would interleave their messages), or from the same thread (an object's ``__setstate__`` calling
+    a collective while a result loads)."""
+
+    @functools.wraps(method)
+    def run(self: Communicator, *args: Any, **kwargs: Any) -> Any:
+        if not self._busy.acquire(False):
+            name = type(self).__name__
+            if self._busy_thread == threading.get_ident():
+                raise CommunicatorStateError(
+                    f"{method.__name__} was called on a {name} while another of its collectives runs in the same "
+                    f"thread (for example from an object's __setstate__ while a result loads); call it after "
+                    f"that collective returns")
+            raise CommunicatorStateError(
+                f"{method.__name__} was called on a {name} from two threads at once; a communicator serves one "
+                f"thread at a time (their messages would interleave): give each thread its own communicator "
+                f"(comm.split or comm.new_group), or hold a lock around the calls")
+        self._busy_thread = threading.get_ident()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._busy_thread = 0
+            self._busy.release()
+
+    return run
+
+
+for _name in _COLLECTIVES:
+    setattr(Communicator, _name, _exclusive(getattr(Communicator, _name)))
+

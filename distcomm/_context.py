@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import threading
 from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
 
 from ._communicator import Communicator
+from ._errors import CommunicatorStateError
 from ._local import LocalCommunicator
 
 __all__ = ["current", "use"]
@@ -19,6 +21,17 @@ _ACTIVE: contextvars.ContextVar[Communicator | None] = contextvars.ContextVar("d
 # The communicator adopted implicitly over torch.distributed's default group when none is
 # installed, keyed by that group (so a destroyed and re-created group gets a new one).
 _implicit: list[tuple[Any, Communicator]] = []
+
+# The process-wide default: the communicator that owns the job's default group (made by launch(),
+# from_env() or spawn()). Every thread sees it; use() overrides it per thread or task.
+_default: list[Communicator] = []
+
+
+def set_default(comm: Communicator | None) -> None:
+    """Make ``comm`` the process-wide default communicator (None: no default)."""
+    _default.clear()
+    if comm is not None:
+        _default.append(comm)
 
 
 @contextlib.contextmanager
@@ -37,19 +50,29 @@ def use(comm: Communicator) -> Iterator[Communicator]:
         _ACTIVE.reset(token)
 
 
+def clear_default(comm: Communicator) -> None:
+    """No process-wide default any more, if it was ``comm``."""
+    if _default and _default[0] is comm:
+        _default.clear()
+
+
 def active() -> Communicator | None:
-    """The communicator installed with use(), or None."""
-    return _ACTIVE.get()
+    """The communicator installed with use() in this thread or task, else the process-wide default, or None."""
+    comm = _ACTIVE.get()
+    if comm is None and _default and not _default[0]._closed:
+        comm = _default[0]
+    return comm
 
 
 def current() -> Communicator:
     """The active communicator.
 
-    With none installed: a communicator over torch.distributed's default group when it is
-    initialized (created on first use, which is collective: every rank must get there), else a
-    LocalCommunicator.
+    With none installed in this thread or task: the process-wide default (the communicator that
+    launch(), from_env() or spawn() made), else a communicator over torch.distributed's default
+    group when it is initialized (created on first use, which is collective: every rank must get
+    there, from its main thread), else a LocalCommunicator.
     """
-    comm = _ACTIVE.get()
+    comm = active()
     if comm is not None:
         return comm
     if dist.is_available() and dist.is_initialized():
@@ -57,6 +80,13 @@ def current() -> Communicator:
         for group, c in _implicit:
             if group is default and not c._closed:
                 return c
+        if threading.current_thread() is not threading.main_thread():
+            # adopting the group is collective: from a helper thread it would meet the main thread's calls
+            raise CommunicatorStateError(
+                "no communicator is installed in this thread, and adopting torch.distributed's default group "
+                "from a thread other than the main thread would start a collective that the other ranks' main "
+                "threads don't expect; install one with distcomm.use(comm) in this thread, or call "
+                "distcomm.current() once in the main thread first")
         _implicit.clear()
         from ._torch import GlooCommunicator, NcclCommunicator
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import multiprocessing
 import socket
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -13,6 +14,7 @@ import torch.multiprocessing as mp
 
 from ._communicator import DEFAULT_TIMEOUT, _seconds
 from ._context import use
+from ._errors import RankFailedError
 from ._local import LocalCommunicator
 
 __all__ = ["free_port", "launch"]
@@ -75,8 +77,14 @@ def launch(
         backend: "gloo" or "nccl"; default nccl when CUDA is available, else gloo.
 
     Raises:
-        torch.multiprocessing.ProcessRaisedException: a process raised; it carries the traceback.
+        RankFailedError: a process raised (its rank and remote traceback are attached) or died.
+        RuntimeError: launch() was called while a spawned process imported the script (no
+            ``if __name__ == "__main__":`` guard around the call).
     """
+    if getattr(multiprocessing.current_process(), "_inheriting", False):  # a started process importing the script
+        raise RuntimeError(
+            "distcomm.launch() was called while a process it started imported your script: put the call "
+            "under `if __name__ == \"__main__\":` (each process imports the script to find main_func)")
     if not callable(main_func):
         raise TypeError(f"main_func must be callable, got {type(main_func).__name__}")
     if num_gpus_per_machine is not None:
@@ -111,10 +119,22 @@ def launch(
         dist_url = f"tcp://127.0.0.1:{free_port()}"
     assert dist_url is not None
     payload = cloudpickle.dumps((main_func, tuple(args)))
-    mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
-        _worker,
-        args=(payload, num_processes_per_machine, num_machines, machine_rank, dist_url, backend, seconds),
-        nprocs=num_processes_per_machine,
-        join=True,
-        start_method="spawn",
-    )
+    first = machine_rank * num_processes_per_machine
+    try:
+        mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
+            _worker,
+            args=(payload, num_processes_per_machine, num_machines, machine_rank, dist_url, backend, seconds),
+            nprocs=num_processes_per_machine,
+            join=True,
+            start_method="spawn",
+        )
+    except mp.ProcessRaisedException as e:  # type: ignore[attr-defined]
+        rank = first + e.error_index
+        text = str(e.msg).strip()
+        last = text.splitlines()[-1] if text else "an exception"
+        raise RankFailedError(f"rank {rank} raised {last}\n--- rank {rank} traceback ---\n{text}", rank=rank,
+                              remote_traceback=text) from None
+    except mp.ProcessExitedException as e:  # type: ignore[attr-defined]
+        rank = first + e.error_index
+        how = f"was killed by {e.signal_name}" if e.signal_name else f"exited with code {e.exit_code}"
+        raise RankFailedError(f"rank {rank} (pid {e.error_pid}) {how} before main_func returned", rank=rank) from None

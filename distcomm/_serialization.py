@@ -18,6 +18,7 @@ import copyreg
 import io
 import os
 import pickle
+import socket
 import warnings
 from collections import ChainMap
 from collections.abc import Callable, Iterable, Sequence
@@ -85,8 +86,20 @@ def _reduce_tensor(t: torch.Tensor) -> Any:
 _TABLE: dict[type, Callable[[Any], Any]] = {torch.Tensor: _reduce_tensor}
 
 
-_PICKLE_TABLE: Any = ChainMap(_TABLE, copyreg.dispatch_table)
-_CLOUDPICKLE_TABLE: Any = ChainMap(_TABLE, cloudpickle.Pickler.dispatch_table)
+def _refuse(obj: Any) -> Any:
+    raise pickle.PicklingError(
+        f"can't send a {type(obj).__module__}.{type(obj).__qualname__} ({obj!r:.80}): open files, sockets and other "
+        f"resources of this process don't travel to other processes; send a path or the data instead")
+
+
+# Process resources that plain pickle refuses and cloudpickle would turn into something else on the
+# peers (an open file becomes a StringIO of its contents): refused by both, alike.
+_RESOURCES: dict[type, Callable[[Any], Any]] = {
+    t: _refuse for t in (io.TextIOWrapper, io.BufferedReader, io.BufferedWriter, io.BufferedRandom, io.FileIO,
+                         socket.socket)}
+
+_PICKLE_TABLE: Any = ChainMap(_TABLE, _RESOURCES, copyreg.dispatch_table)
+_CLOUDPICKLE_TABLE: Any = ChainMap(_TABLE, _RESOURCES, cloudpickle.Pickler.dispatch_table)
 
 
 # The C pickler reads dispatch_table when it is created, so it must be a class attribute.

@@ -178,6 +178,10 @@ class _TorchCommunicator(Communicator):
                 pass
         destroyed = bool(self._owned)
         self._owned.clear()
+        if self._owns_default:
+            from ._context import clear_default
+
+            clear_default(self)
         if self._owns_default and dist.is_initialized():
             destroyed = True
             try:
@@ -518,8 +522,11 @@ def start_world(
 
     The one place that starts a job's group: used by ``from_env`` (torchrun), ``launch`` and
     ``distcomm.testing.spawn``. For NCCL it binds ``cuda:<local_rank % device_count>`` first.
-    If the communicator can't be built, the group is destroyed again.
+    If the communicator can't be built, the group is destroyed again. The communicator becomes
+    the process-wide default (``distcomm.current()`` in every thread) until it is closed.
     """
+    from ._context import set_default
+
     seconds = _seconds(timeout, DEFAULT_TIMEOUT)
     assert seconds is not None
     td = datetime.timedelta(seconds=seconds)
@@ -536,7 +543,9 @@ def start_world(
     else:
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world, timeout=td)
     try:
-        return cls(None, timeout=timeout, _owns_default=True, **kwargs)
+        comm = cls(None, timeout=timeout, _owns_default=True, **kwargs)
+        set_default(comm)  # every thread of the process sees it
+        return comm
     except BaseException:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -164,3 +164,196 @@ def test_failure_only_this_rank_sees_after_the_slots_marks_the_communicator_brok
     assert "broken" in repr(comm)
     with pytest.raises(distcomm.CommunicatorStateError, match="while moving data"):
         comm.gather("x", dst=0)
+
+
+# ---------------------------------------------------------------- one collective at a time (items 5, 6)
+def two_threads(comm: distcomm.Communicator) -> Any:
+    """Rank 0's helper thread calls while its first collective waits for a late rank 1."""
+    import time
+
+    if comm.rank == 1:
+        time.sleep(1.0)
+        return outcome(lambda: comm.all_gather("main")), None, comm.all_gather(comm.rank)
+    box: list[Any] = []
+    waiting = threading.Thread(target=lambda: box.append(outcome(lambda: comm.all_gather("main"))))
+    waiting.start()
+    time.sleep(0.3)  # the helper thread is inside all_gather now, waiting for rank 1
+    second = outcome(lambda: comm.all_gather("helper"))
+    waiting.join(30)
+    return box[0], second, comm.all_gather(comm.rank)
+
+
+@pytest.mark.parametrize("world", ["gloo", "threaded"])
+def test_a_second_thread_is_refused_while_a_collective_runs(world: str) -> None:
+    run = spawn if world == "gloo" else run_threaded
+    (first, second, after0), (other, none, after1) = run(two_threads, 2, timeout=60)
+    assert first[:2] == ("ok", ["main", "main"]) and other[:2] == ("ok", ["main", "main"])
+    assert second[0] == "CommunicatorStateError" and "from two threads at once" in second[1]
+    assert none is None and after0 == after1 == [0, 1]
+
+
+class _CallsBack:
+    """An object whose unpickling starts a collective on the communicator that is loading it."""
+
+    def __reduce__(self) -> Any:
+        return (_call_back, ())
+
+
+def _call_back() -> Any:
+    return distcomm.current().all_gather("nested")
+
+
+@pytest.mark.parametrize("world", ["gloo", "threaded"])
+def test_a_collective_from_setstate_is_refused_clearly(world: str) -> None:
+    def fn(comm: distcomm.Communicator) -> Any:
+        return outcome(lambda: comm.all_gather(_CallsBack())), comm.all_gather(comm.rank)
+
+    run = spawn if world == "gloo" else run_threaded
+    for (kind, text, _, _), after in run(fn, 2, timeout=60):
+        assert kind == "SerializationError" and "while another of its collectives runs in the same thread" in text
+        assert after == [0, 1]
+
+
+# ---------------------------------------------------------------- the default communicator in every thread (13)
+def helper_thread_sees_the_job_communicator(comm: distcomm.Communicator) -> Any:
+    from distcomm import _context
+
+    seen: list[Any] = []
+    t = threading.Thread(target=lambda: seen.append((distcomm.current() is comm, distcomm.get_local_rank(),
+                                                     distcomm.get_rank())))
+    t.start()
+    t.join(10)
+    _context.set_default(None)  # as if no default: a helper thread must not adopt the group itself
+    refused: list[Any] = []
+
+    def adopt() -> None:
+        try:
+            distcomm.current()
+            refused.append("adopted")
+        except distcomm.CommunicatorStateError as e:
+            refused.append(str(e))
+
+    t = threading.Thread(target=adopt)
+    t.start()
+    t.join(10)
+    _context.set_default(comm)
+    return seen[0], refused[0], comm.all_gather(comm.rank)
+
+
+def test_helper_threads_see_the_process_default() -> None:
+    for r, (seen, refused, after) in enumerate(spawn(helper_thread_sees_the_job_communicator, 2, timeout=60)):
+        assert seen == (True, r, r)
+        assert "from a thread other than the main thread" in refused
+        assert after == [0, 1]
+
+
+# ---------------------------------------------------------------- doubles that fail as the real thing (14-17)
+def late_rank(comm: distcomm.Communicator) -> Any:
+    import time
+
+    if comm.rank == 1:
+        time.sleep(1.5)  # arrives after rank 0 gave up
+    return outcome(lambda: comm.all_gather(comm.rank, timeout=0.5))
+
+
+@pytest.mark.parametrize("world", ["gloo", "threaded"])
+def test_a_late_rank_fails_after_its_peer_gave_up(world: str) -> None:
+    run = spawn if world == "gloo" else run_threaded
+    early, late = run(late_rank, 2, timeout=60)
+    assert early[0] == "CollectiveTimeoutError"
+    assert late[0] in ("CollectiveTimeoutError", "PeerError"), late  # never a stale result
+
+
+def test_world_of_one_fails_as_larger_worlds_do() -> None:
+    lock = threading.Lock()
+    for n in (1, 2):
+        with pytest.raises(distcomm.SerializationError):  # the fake serializes at every world size
+            FakeCommunicator(0, n).all_gather(lock)
+        for comm in (FakeCommunicator(0, n), distcomm.LocalCommunicator()):
+            if comm.world_size != n:
+                continue
+            with pytest.raises(distcomm.CollectiveError, match="not a tensor"):
+                comm.reduce_dict({"loss": 1.5})  # type: ignore[dict-item]
+            with pytest.raises(distcomm.CollectiveError, match="objects for world_size"):
+                comm.scatter([1] * (n + 1))
+    assert distcomm.LocalCommunicator().all_gather(lock) == [lock]  # Local stays copy-free
+
+
+def test_run_threaded_reports_a_failure_whose_traceback_is_slow(monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+    import traceback as tb
+
+    from distcomm.testing import _threaded
+
+    slow = tb.format_exc
+
+    def format_exc() -> str:
+        time.sleep(1.5)  # the main thread must not read the error before its traceback
+        return slow()
+
+    monkeypatch.setattr(_threaded.traceback, "format_exc", format_exc)
+
+    def fn(comm: distcomm.Communicator) -> None:
+        if comm.rank == 1:
+            raise ValueError("boom")
+        comm.synchronize()
+
+    with pytest.raises(distcomm.testing.RankFailedError, match="rank 1 raised ValueError: boom") as info:
+        run_threaded(fn, 2, timeout=5.0)  # the main thread gives busy ranks 1 s once it sees an error
+    assert "ValueError: boom" in info.value.remote_traceback
+
+
+# ---------------------------------------------------------------- launch and spawn errors (11, 12)
+class _TwoArgs(Exception):
+    def __init__(self, a: int, b: int) -> None:
+        super().__init__(f"{a} and {b}")
+
+
+def test_spawn_reports_an_exception_that_cannot_come_back() -> None:
+    def fn(comm: distcomm.Communicator) -> None:
+        if comm.rank == 1:
+            raise _TwoArgs(1, 2)
+        comm.synchronize()
+
+    with pytest.raises(distcomm.testing.RankFailedError, match="rank 1") as info:
+        spawn(fn, 2, timeout=60)
+    assert "_TwoArgs: 1 and 2" in info.value.remote_traceback
+
+
+def test_launch_names_the_failed_rank_and_the_missing_main_guard(tmp_path: Any) -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    failing = tmp_path / "failing.py"
+    failing.write_text(
+        "import distcomm\n"
+        "def main():\n"
+        "    if distcomm.get_rank() == 1:\n"
+        "        raise KeyError('missing shard')\n"
+        "if __name__ == '__main__':\n"
+        "    try:\n"
+        "        distcomm.launch(main, 2, timeout=30)\n"
+        "    except distcomm.RankFailedError as e:\n"
+        "        print('RANK', e.rank, 'TRACEBACK' if 'missing shard' in e.remote_traceback else '')\n")
+    out = subprocess.run([sys.executable, str(failing)], capture_output=True, text=True, timeout=120, env=env)
+    assert "RANK 1 TRACEBACK" in out.stdout, out.stderr[-2000:]
+    unguarded = tmp_path / "unguarded.py"
+    unguarded.write_text("import distcomm\ndistcomm.launch(print, 2, timeout=30)\n")
+    out = subprocess.run([sys.executable, str(unguarded)], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode != 0
+    assert 'put the call under `if __name__ == "__main__":`' in out.stderr
+
+
+# ---------------------------------------------------------------- process resources don't travel (20)
+@pytest.mark.parametrize("world", ["gloo", "threaded"])
+def test_open_files_are_refused_like_any_unpicklable_value(world: str) -> None:
+    def fn(comm: distcomm.Communicator) -> Any:
+        with open(__file__) as f:
+            return outcome(lambda: comm.all_gather({"log": f} if comm.rank == 1 else None)), comm.all_gather(1)
+
+    run = spawn if world == "gloo" else run_threaded
+    for (kind, text, ranks, _), after in run(fn, 2, timeout=60):
+        assert kind == "SerializationError" and tuple(ranks) == (1,) and "_io.TextIOWrapper" in text, text
+        assert after == [1, 1]

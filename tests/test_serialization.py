@@ -149,8 +149,13 @@ def test_stats_count_calls_bytes_and_time() -> None:
     assert stats[1]["gather"].bytes_received == 4096  # rank 1 receives only the slot
 
 
+def collecting() -> bool:
+    """Whether the cyclic garbage collector would run automatically now."""
+    return gc.isenabled() and gc.get_threshold()[0] > 0
+
+
 class _RecordsGC(distcomm.PickleSerializer):
-    """Notes whether the cyclic garbage collector was enabled during each load."""
+    """Notes whether the cyclic garbage collector collected automatically during each load."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -158,14 +163,14 @@ class _RecordsGC(distcomm.PickleSerializer):
 
     def loads(self, segments: Any) -> Any:
         obj = super().loads(segments)
-        self.seen.append((len(obj), gc.isenabled()))
+        self.seen.append((len(obj), collecting()))
         return obj
 
 
 def _many_then_few(comm: distcomm.Communicator) -> bool:
     comm.all_gather([{"id": i, "box": [0.0, 1.0, 2.0, 3.0]} for i in range(5000)])  # ~300 KB of small objects
     comm.all_gather([comm.rank])
-    return gc.isenabled()
+    return collecting()
 
 
 def _many_then_few_seen(comm: distcomm.Communicator) -> tuple[bool, list[tuple[int, bool]]]:
@@ -188,6 +193,26 @@ def test_collector_waits_while_large_results_load_and_comes_back() -> None:
         assert run_threaded(_many_then_few, 2, serializer=ser) == [False] * 2
         assert not gc.isenabled()
         assert sorted(ser.seen) == [(1, False)] * 2 + [(5000, False)] * 2
+    finally:
+        gc.enable()
+
+
+class _DisablesGC(distcomm.PickleSerializer):
+    """Turns the collector off in the middle of a load, as another thread of the user's might."""
+
+    def loads(self, segments: Any) -> Any:
+        obj = super().loads(segments)
+        if isinstance(obj, list) and len(obj) == 5000:
+            gc.disable()
+        return obj
+
+
+def test_collector_switched_off_during_a_load_stays_off() -> None:
+    threshold = gc.get_threshold()
+    try:
+        run_threaded(_many_then_few, 2, serializer=_DisablesGC())
+        assert not gc.isenabled()  # the pause ended without switching it back on
+        assert gc.get_threshold() == threshold
     finally:
         gc.enable()
 

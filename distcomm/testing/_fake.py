@@ -55,6 +55,8 @@ class FakeCommunicator(Communicator):
         **kwargs: Communicator options (timeout, serializer, max_bytes, slot_bytes).
     """
 
+    _alone = False  # objects go through the serializer and the pipeline at every world size
+
     def __init__(self, rank: int = 0, world_size: int = 1, *, peers: PeerFn | None = None,
                  local_rank: int | None = None, local_size: int | None = None, **kwargs: Any) -> None:
         for name, v, low in (("rank", rank, 0), ("world_size", world_size, 1)):

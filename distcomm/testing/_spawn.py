@@ -35,6 +35,7 @@ def _spawn_worker(rank: int, world: int, url: str, payload: bytes, out: Any, bac
         tb = traceback.format_exc()
         try:
             blob: bytes | None = cloudpickle.dumps(e)
+            cloudpickle.loads(blob)  # an exception whose __init__ can't be replayed doesn't come back
         except Exception:
             blob = None
         out.put((rank, False, blob, f"{type(e).__name__}: {e}\n{tb}"))
@@ -105,7 +106,12 @@ def spawn(fn: Callable[[Any], _R], world_size: int, *, backend: str = "gloo", ti
             errors[r] = RankFailedError(f"rank {r} did not finish within {timeout}s and was killed", rank=r)
             continue
         ok, blob, text = got[r]
-        value = cloudpickle.loads(blob) if blob is not None else None
+        try:
+            value = cloudpickle.loads(blob) if blob is not None else None
+        except Exception as load_error:  # a result or exception that pickles but doesn't load here
+            if ok:
+                ok, text = False, f"{type(load_error).__name__}: rank {r}'s result can't be loaded here: {load_error}"
+            value = None
         if ok:
             results[r] = value
         else:

@@ -14,7 +14,7 @@ import torch
 
 from .._communicator import Communicator, Op
 from .._context import use
-from .._errors import CollectiveError, CollectiveTimeoutError, DistCommError, RankFailedError
+from .._errors import CollectiveError, CollectiveTimeoutError, DistCommError, PeerError, RankFailedError
 
 __all__ = ["ThreadedCommunicator", "run_threaded"]
 
@@ -38,6 +38,9 @@ class _World:
         self.mail: dict[tuple[int, int], deque[bytes]] = {}
         self.failed: tuple[int, BaseException] | None = None
         self.baton = threading.Lock()
+        # exchanges a rank gave up on (it timed out): a late rank then fails as over a transport
+        self.abandoned: set[tuple[str, int]] = set()
+        self.cut: set[tuple[int, int]] = set()  # (sender, receiver) pairs whose receiver gave up
 
     def _wake_all(self) -> None:
         for c in self.conds:
@@ -77,6 +80,10 @@ class _World:
                value: Any, deadline: float | None) -> list[Any]:
         with self.lock:
             self._check(me)
+            if (kind, gen) in self.abandoned:
+                raise CollectiveTimeoutError(
+                    f"rank {me}: {kind} #{gen}: every rank reached it, but peers gave up (their timeout expired) "
+                    f"before this rank arrived")
             entry = table.setdefault(gen, [None] * self.size)
             entry[me] = value
             arrived = table.setdefault(-gen - 1, [0])  # how many have arrived, beside the entry
@@ -85,8 +92,13 @@ class _World:
         if last:  # the last to arrive wakes the others, once
             self._wake_all()
         with self.conds[me]:
-            self._wait(me, lambda: arrived[0] == self.size, deadline, f"{kind} #{gen}",
-                       lambda: [r for r, v in enumerate(entry) if v is None])
+            try:
+                self._wait(me, lambda: arrived[0] == self.size, deadline, f"{kind} #{gen}",
+                           lambda: [r for r, v in enumerate(entry) if v is None])
+            except CollectiveTimeoutError:
+                with self.lock:
+                    self.abandoned.add((kind, gen))
+                raise
         with self.lock:
             key = (kind, gen)
             self.taken[key] = self.taken.get(key, 0) + 1
@@ -96,6 +108,8 @@ class _World:
 
     def send(self, src: int, dst: int, data: bytes) -> None:
         self._check(src)
+        if (src, dst) in self.cut:
+            raise PeerError(f"rank {src}: rank {dst} gave up receiving from it (its timeout expired)", ranks=[dst])
         cond = self.conds[dst]
         with cond:
             self.mail.setdefault((src, dst), deque()).append(data)
@@ -104,7 +118,11 @@ class _World:
     def recv(self, src: int, dst: int, deadline: float | None) -> bytes:
         with self.conds[dst]:
             box = self.mail.setdefault((src, dst), deque())
-            self._wait(dst, lambda: bool(box), deadline, f"receive from rank {src}", lambda: [src])
+            try:
+                self._wait(dst, lambda: bool(box), deadline, f"receive from rank {src}", lambda: [src])
+            except CollectiveTimeoutError:
+                self.cut.add((src, dst))
+                raise
             return box.popleft()
 
 
@@ -292,9 +310,9 @@ def _run_world(fn: Callable[[ThreadedCommunicator], _R], world_size: int, timeou
             with use(comms[r]):
                 results[r] = fn(comms[r])
         except BaseException as e:
-            errors[r] = e
+            tracebacks[r] = traceback.format_exc()  # before the error is visible to the main thread
             order.append(r)
-            tracebacks[r] = traceback.format_exc()
+            errors[r] = e
             world.abort(r, e)
 
     threads = [threading.Thread(target=target, args=(r,), name=f"distcomm-rank-{r}", daemon=True)
@@ -320,7 +338,8 @@ def _run_world(fn: Callable[[ThreadedCommunicator], _R], world_size: int, timeou
             f"{', '.join(map(str, hung))} did not finish", rank=hung[0], errors=errors)
     if errors:
         # the root cause: the first rank whose error was not caused by another rank's failure
-        causes = [r for r in order if not isinstance(errors[r], DistCommError)] or order
+        ready = [r for r in order if r in errors]  # a thread may be between its two writes
+        causes = [r for r in ready if not isinstance(errors[r], DistCommError)] or ready
         r = causes[0]
         exc = errors[r]
         others = "".join(f"\n  rank {o}: {type(errors[o]).__name__}: {errors[o]}" for o in sorted(errors) if o != r)
