@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.distcomm-installed
 
-.PHONY: help install demo test test-large test-gpu lint typecheck bench bench-full bench-tensors bench-wire \
+.PHONY: help install demo test test-slow test-all test-large test-gpu lint typecheck bench bench-full bench-tensors bench-wire \
 	bench-simulate clean
 
 help:  ## this list
@@ -30,8 +30,14 @@ demo: $(STAMP)  ## the example training and evaluation jobs on 2 CPU processes
 	$(BIN)/python examples/train.py --nproc 2
 	$(BIN)/python examples/evaluate.py --nproc 2
 
-test: $(STAMP)  ## the whole suite
+test: $(STAMP)  ## the suite but its slow tests (about 3 minutes on 2 cores)
 	$(BIN)/python -m pytest -q
+
+test-slow: $(STAMP)  ## only the slow tests: large worlds, timeouts, launch, torchrun, README blocks
+	$(BIN)/python -m pytest -q -m slow
+
+test-all: $(STAMP)  ## everything but the 12 GiB tests: make test and make test-slow in one run
+	$(BIN)/python -m pytest -q -m "not large"
 
 test-large: $(STAMP)  ## payloads over 2 GiB (about 12 GiB of RAM)
 	$(BIN)/python -m pytest -q -m large tests/test_large.py

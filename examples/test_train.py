@@ -77,6 +77,7 @@ def _weights(comm: Any, ddp: bool) -> list[float]:
     return [round(float(p.detach().sum()), 5) for p in trainer.model.parameters()]
 
 
+@pytest.mark.slow
 def test_trainer_with_ddp_over_the_communicators_group() -> None:
     """DDP over comm.group and the tensor all-reduce train the same weights, the same on every rank."""
     from distcomm.testing import spawn

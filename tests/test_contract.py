@@ -29,7 +29,8 @@ def test_threaded(world_size: int) -> None:
         check(result, local=(r, world_size))
 
 
-@pytest.mark.parametrize("world_size", [2, 4, 6, 8])
+@pytest.mark.parametrize("world_size", [2, 4, pytest.param(6, marks=pytest.mark.slow),
+                                        pytest.param(8, marks=pytest.mark.slow)])
 def test_gloo(world_size: int) -> None:
     """6 and 8 processes: beyond small worlds (header slots, Bruck's all-gather with a short last round
     at 6, tree broadcast, scatter slots)."""

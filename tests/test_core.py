@@ -234,3 +234,27 @@ def test_gloo_subgroup_and_machine_names() -> None:
         return out
 
     assert spawn(fn, 3, timeout=120) == [None, (0, 2, 0, 1, [1, 2]), (1, 2, 0, 1, [1, 2])]
+
+
+def test_spawn_reuses_a_world_only_while_it_is_intact() -> None:
+    import os as _os
+
+    def pid_and_state(comm: distcomm.Communicator) -> tuple[int, int, list[str]]:
+        seen = getattr(comm, "_alltoall_copy_bytes")
+        comm._alltoall_copy_bytes = 7  # type: ignore[misc] # a setting this call changes: reset for the next
+        comm.all_gather(1)
+        return _os.getpid(), seen, sorted(comm.stats)
+
+    def fails_on_rank_1(comm: distcomm.Communicator) -> None:
+        if comm.rank == 1:
+            raise ValueError("once")
+
+    first = spawn(pid_and_state, 2, timeout=60, reuse=True)
+    second = spawn(pid_and_state, 2, timeout=60, reuse=True)
+    assert [p for p, _, _ in first] == [p for p, _, _ in second]  # the same processes
+    assert {s for _, s, _ in second} == {distcomm.Communicator._alltoall_copy_bytes}
+    assert all(names == ["all_gather"] for _, _, names in first + second)  # stats start empty each call
+    with pytest.raises(distcomm.RankFailedError, match="rank 1"):
+        spawn(fails_on_rank_1, 2, timeout=60, reuse=True)
+    third = spawn(pid_and_state, 2, timeout=60, reuse=True)
+    assert not {p for p, _, _ in third} & {p for p, _, _ in first}  # a fresh world after a failure

@@ -178,6 +178,7 @@ def late(comm: distcomm.Communicator) -> Any:
     return outcome(lambda: comm.all_gather(comm.rank, timeout=2))
 
 
+@pytest.mark.slow
 def test_peer_that_sleeps_past_the_timeout() -> None:
     early, late_one = spawn(late, 2, timeout=120)
     assert early[0] == "CollectiveTimeoutError", early
@@ -194,6 +195,7 @@ def late_sync(comm: distcomm.Communicator) -> Any:
     return first, outcome(lambda: comm.all_gather(1))
 
 
+@pytest.mark.slow
 def test_synchronize_timeout_names_the_missing_rank_and_breaks_the_communicator() -> None:
     out = spawn(late_sync, 3, timeout=120)
     for r in (0, 1):
@@ -210,6 +212,7 @@ def dies(comm: distcomm.Communicator) -> Any:
     return outcome(lambda: comm.all_gather(np.zeros(10)))
 
 
+@pytest.mark.slow
 def test_peer_that_exits_mid_job() -> None:
     t0 = time.monotonic()
     survivor, dead = spawn(dies, 2, timeout=120, return_exceptions=True)
@@ -276,6 +279,7 @@ def test_spawn_reraises_with_rank_and_remote_traceback() -> None:
     assert "Traceback" in info.value.remote_traceback and isinstance(info.value.exception, ValueError)
 
 
+@pytest.mark.slow
 def test_spawn_kills_and_names_a_hung_rank() -> None:
     def fn(comm: distcomm.Communicator) -> Any:
         if comm.rank == 0:

@@ -109,7 +109,7 @@ def _long_failure_in_a_large_world(comm: distcomm.Communicator) -> Any:
     return first[:3], mism[:3], comm.all_gather(comm.rank)
 
 
-@pytest.mark.parametrize("world", ["gloo", "threaded"])
+@pytest.mark.parametrize("world", [pytest.param("gloo", marks=pytest.mark.slow), "threaded"])
 def test_errors_are_whole_and_alike_in_a_large_world(world: str) -> None:
     """Beyond small worlds the slot holds a header only: failure messages follow it, on every rank."""
     run = spawn if world == "gloo" else run_threaded
@@ -320,6 +320,7 @@ def test_spawn_reports_an_exception_that_cannot_come_back() -> None:
     assert "_TwoArgs: 1 and 2" in info.value.remote_traceback
 
 
+@pytest.mark.slow
 def test_launch_names_the_failed_rank_and_the_missing_main_guard(tmp_path: Any) -> None:
     import os
     import subprocess

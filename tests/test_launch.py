@@ -48,6 +48,7 @@ def _run_all(cmds: list[list[str]], cwd: Path, timeout: float = 150) -> None:
         assert p.returncode == 0, out[-3000:]
 
 
+@pytest.mark.slow
 def test_launch_two_simulated_machines(tmp_path: Path) -> None:
     script = tmp_path / "job.py"
     script.write_text(LAUNCHED)
@@ -101,6 +102,7 @@ TORCHRUN = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_from_env_under_torchrun(tmp_path: Path) -> None:
     script = tmp_path / "tr.py"
     script.write_text(TORCHRUN)

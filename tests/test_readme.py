@@ -40,6 +40,7 @@ def test_every_block_says_how_it_runs() -> None:
     assert sum(kind != "fragment" for _, kind, _ in found) >= 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("line,kind,code", [b for b in blocks() if b[1] != "fragment"],
                          ids=lambda v: str(v) if isinstance(v, int) else None)
 def test_block_runs(line: int, kind: str, code: str, tmp_path: Path) -> None:

@@ -34,7 +34,7 @@ def _small_world(comm: distcomm.Communicator) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize("world_size", [256, 1024])
+@pytest.mark.parametrize("world_size", [256, pytest.param(1024, marks=pytest.mark.slow)])
 def test_threaded_world_runs_every_collective_at_scale(world_size: int) -> None:
     results = run_threaded(_small_world, world_size, timeout=200)
     n = world_size
@@ -104,6 +104,7 @@ def test_bytes_per_rank_threaded_world_of_8() -> None:
         _check_bytes(r, 8, got)
 
 
+@pytest.mark.slow
 def test_bytes_per_rank_gloo_world_of_8() -> None:
     for r, got in enumerate(spawn(_bytes_per_call, 8, timeout=180)):
         _check_bytes(r, 8, got)

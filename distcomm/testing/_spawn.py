@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing as mp
+import os
 import queue as queue_mod
 import time
 import traceback
@@ -19,30 +21,148 @@ __all__ = ["spawn"]
 _R = TypeVar("_R")
 
 
+def _failure(e: BaseException) -> tuple[bool, bytes | None, str]:
+    tb = traceback.format_exc()
+    try:
+        blob: bytes | None = cloudpickle.dumps(e)
+        cloudpickle.loads(blob)  # an exception whose __init__ can't be replayed doesn't come back
+    except Exception:
+        blob = None
+    return False, blob, f"{type(e).__name__}: {e}\n{tb}"
+
+
+def _start(rank: int, world: int, url: str, backend: str, timeout: float, comm_kwargs: dict[str, Any]) -> Any:
+    from .._torch import GlooCommunicator, NcclCommunicator, start_world
+
+    comm_kwargs.setdefault("timeout", timeout)
+    cls = GlooCommunicator if backend == "gloo" else NcclCommunicator
+    return start_world(cls, url, rank, world, rank, **comm_kwargs)
+
+
 def _spawn_worker(rank: int, world: int, url: str, payload: bytes, out: Any, backend: str, timeout: float) -> None:
     try:
         from .._context import use
-        from .._torch import GlooCommunicator, NcclCommunicator, start_world
 
         fn, comm_kwargs = cloudpickle.loads(payload)
-        comm_kwargs.setdefault("timeout", timeout)
-        cls = GlooCommunicator if backend == "gloo" else NcclCommunicator
-        comm = start_world(cls, url, rank, world, rank, **comm_kwargs)
+        comm = _start(rank, world, url, backend, timeout, comm_kwargs)
         with comm, use(comm):
             result = fn(comm)
-        out.put((rank, True, cloudpickle.dumps(result), ""))
+        out.put((rank, 0, True, cloudpickle.dumps(result), "", 0))
     except BaseException as e:
-        tb = traceback.format_exc()
+        out.put((rank, 0, *_failure(e), -1))
+
+
+def _pool_worker(rank: int, world: int, url: str, inbox: Any, out: Any, backend: str, timeout: float,
+                 kwargs_blob: bytes) -> None:
+    """A rank of a reused world: one communicator, then one function per job until told to stop.
+
+    After each job it reports its call count; the parent keeps the world only while every rank
+    succeeded, with the same count and an intact communicator.
+    """
+    from .._context import use
+
+    try:
+        comm = _start(rank, world, url, backend, timeout, cloudpickle.loads(kwargs_blob))
+    except BaseException as e:
+        out.put((rank, -1, *_failure(e), -1))
+        return
+    own = set(vars(comm))
+    with comm, use(comm):
+        while True:
+            job = inbox.get()
+            if job is None:
+                return
+            job_id, seconds, payload = job
+            comm.reset_stats()
+            comm._timeout = seconds  # this call's timeout, as a fresh world would have it
+            try:
+                result = cloudpickle.loads(payload)(comm)
+                got: tuple[bool, bytes | None, str] = (True, cloudpickle.dumps(result), "")
+            except BaseException as e:
+                got = _failure(e)
+            for name in set(vars(comm)) - own:  # settings a function changed on its communicator
+                delattr(comm, name)
+            intact = got[0] and comm._broken is None and not comm._closed
+            out.put((rank, job_id, *got, comm._seq if intact else -1))
+            if not intact:
+                return
+
+
+class _World:
+    """Processes of a reused world, kept between spawn(..., reuse=True) calls with the same settings."""
+
+    def __init__(self, world: int, backend: str, timeout: float, kwargs_blob: bytes) -> None:
+        ctx = mp.get_context("spawn")
+        self.out = ctx.Queue()
+        self.inboxes = [ctx.Queue() for _ in range(world)]
+        url = f"tcp://127.0.0.1:{free_port()}"
+        self.procs = [ctx.Process(target=_pool_worker, name=f"distcomm-rank-{r}", daemon=True,
+                                  args=(r, world, url, self.inboxes[r], self.out, backend, timeout, kwargs_blob))
+                      for r in range(world)]
+        for p in self.procs:
+            p.start()
+        self.jobs = 0
+
+    def run(self, payload: bytes, timeout: float) -> tuple[dict[int, tuple[bool, bytes | None, str]], bool]:
+        self.jobs += 1
+        for q in self.inboxes:
+            q.put((self.jobs, timeout, payload))
+        got, seqs = _collect(self.procs, self.out, timeout, self.jobs)
+        intact = len(got) == len(self.procs) and all(g[0] for g in got.values()) and len(set(seqs.values())) == 1 \
+            and min(seqs.values()) >= 0
+        return got, intact
+
+    def close(self) -> None:
+        for q in self.inboxes:
+            try:
+                q.put(None)
+            except Exception:  # noqa: S110 - best effort on teardown
+                pass
+        deadline = time.monotonic() + 5
+        for p in self.procs:
+            p.join(max(deadline - time.monotonic(), 0.01))
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        self.out.close()
+
+
+_WORLDS: dict[tuple[int, str, bytes], _World] = {}
+_KEPT = 4
+
+
+@atexit.register
+def _close_worlds() -> None:
+    for w in _WORLDS.values():
+        w.close()
+    _WORLDS.clear()
+
+
+def _collect(procs: list[Any], out: Any, timeout: float, job: int
+             ) -> tuple[dict[int, tuple[bool, bytes | None, str]], dict[int, int]]:
+    """Each rank's (ok, blob, text) for ``job`` (or its start-up failure), until all report, die or time out."""
+    got: dict[int, tuple[bool, bytes | None, str]] = {}
+    seqs: dict[int, int] = {}
+    dead_since: dict[int, float] = {}
+    deadline = time.monotonic() + timeout
+    while len(got) < len(procs) and time.monotonic() < deadline:
         try:
-            blob: bytes | None = cloudpickle.dumps(e)
-            cloudpickle.loads(blob)  # an exception whose __init__ can't be replayed doesn't come back
-        except Exception:
-            blob = None
-        out.put((rank, False, blob, f"{type(e).__name__}: {e}\n{tb}"))
+            rank, job_id, ok, blob, text, seq = out.get(timeout=0.1)
+            if job_id in (job, -1):
+                got[rank], seqs[rank] = (ok, blob, text), seq
+            continue
+        except queue_mod.Empty:
+            pass
+        now = time.monotonic()
+        for r, p in enumerate(procs):
+            if r not in got and not p.is_alive():
+                if now - dead_since.setdefault(r, now) > 1.0:
+                    got[r], seqs[r] = (False, None, f"process exited with code {p.exitcode} before returning"), -1
+    return got, seqs
 
 
 def spawn(fn: Callable[[Any], _R], world_size: int, *, backend: str = "gloo", timeout: float = 120.0,
-          return_exceptions: bool = False, **comm_kwargs: Any) -> list[Any]:
+          return_exceptions: bool = False, reuse: bool | None = None, **comm_kwargs: Any) -> list[Any]:
     """Run ``fn(comm)`` in ``world_size`` real processes over torch.distributed on 127.0.0.1.
 
     Each process initializes a process group on a free local port, builds a GlooCommunicator (or
@@ -56,6 +176,13 @@ def spawn(fn: Callable[[Any], _R], world_size: int, *, backend: str = "gloo", ti
         timeout: seconds for the whole world; also the communicators' collective timeout.
         return_exceptions: put each failed rank's RankFailedError in the result list instead of
             raising.
+        reuse: keep the processes and their communicators for the next ``spawn(..., reuse=True)``
+            with the same world size, backend and settings (a test suite then pays for
+            starting them once). A world is kept only while every rank returns normally with its
+            communicator intact and in step; attributes ``fn`` sets on the communicator and its
+            stats are reset between calls. Otherwise, a fresh world as without ``reuse``. The
+            four most recently used worlds are kept. Default: the environment variable
+            DISTCOMM_SPAWN_REUSE=1 turns it on (for a whole test suite).
         comm_kwargs: passed to each communicator (serializer=, max_bytes=, ...).
 
     Raises:
@@ -68,6 +195,19 @@ def spawn(fn: Callable[[Any], _R], world_size: int, *, backend: str = "gloo", ti
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     if timeout <= 0:
         raise ValueError(f"timeout must be positive, got {timeout}")
+    if reuse is None:
+        reuse = os.environ.get("DISTCOMM_SPAWN_REUSE", "") == "1"
+    if reuse:
+        key = (world_size, backend, cloudpickle.dumps(comm_kwargs))
+        world = _WORLDS.pop(key, None) or _World(world_size, backend, timeout, key[2])
+        got, intact = world.run(cloudpickle.dumps(fn), timeout)
+        if intact:
+            _WORLDS[key] = world  # the most recently used last
+            while len(_WORLDS) > _KEPT:  # each kept world holds its processes' memory
+                _WORLDS.pop(next(iter(_WORLDS))).close()
+        else:
+            world.close()
+        return _results(got, world_size, timeout, return_exceptions)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     url = f"tcp://127.0.0.1:{free_port()}"
@@ -76,22 +216,8 @@ def spawn(fn: Callable[[Any], _R], world_size: int, *, backend: str = "gloo", ti
                          name=f"distcomm-rank-{r}", daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
-    got: dict[int, tuple[bool, bytes | None, str]] = {}
-    dead_since: dict[int, float] = {}
-    deadline = time.monotonic() + timeout
     try:
-        while len(got) < world_size and time.monotonic() < deadline:
-            try:
-                rank, ok, blob, text = out.get(timeout=0.1)
-                got[rank] = (ok, blob, text)
-                continue
-            except queue_mod.Empty:
-                pass
-            now = time.monotonic()
-            for r, p in enumerate(procs):
-                if r not in got and not p.is_alive():
-                    if now - dead_since.setdefault(r, now) > 1.0:
-                        got[r] = (False, None, f"process exited with code {p.exitcode} before returning")
+        got, _ = _collect(procs, out, timeout, 0)
     finally:
         for p in procs:
             if p.is_alive():
@@ -99,6 +225,11 @@ def spawn(fn: Callable[[Any], _R], world_size: int, *, backend: str = "gloo", ti
         for p in procs:
             p.join(5)
         out.close()
+    return _results(got, world_size, timeout, return_exceptions)
+
+
+def _results(got: dict[int, tuple[bool, bytes | None, str]], world_size: int, timeout: float,
+             return_exceptions: bool) -> list[Any]:
     errors: dict[int, RankFailedError] = {}
     results: list[Any] = [None] * world_size
     for r in range(world_size):
