@@ -92,6 +92,7 @@ class Op(IntEnum):
     ALL_TO_ALL = 22
     SPLIT = 23
     SHARED_RANDOM_SEED = 24
+    CREATE_LOCAL_GROUPS = 25
 
     @property
     def label(self) -> str:
@@ -327,6 +328,9 @@ class MainProcessFlag(int):
     def __call__(self) -> bool:
         return bool(self)
 
+    def __reduce__(self) -> tuple[type[bool], tuple[bool]]:
+        return bool, (bool(self),)  # travels as a plain bool (SafeSerializer loads it)
+
     def __repr__(self) -> str:
         return repr(bool(self))
 
@@ -445,6 +449,12 @@ class Communicator(abc.ABC):
         if self.world_size % n:
             raise ValueError(f"num_workers_per_machine={n} does not divide world_size {self.world_size}")
         self._check_usable()
+        if self.world_size > 1 or not self._alone:  # every rank must regroup alike: compare first
+            asked = self._run(Op.CREATE_LOCAL_GROUPS, -1, n, self._timeout)
+            if len(set(asked)) > 1:
+                rows = "\n".join(f"  rank {r}: {a}" for r, a in enumerate(asked))
+                raise CollectiveMismatchError(f"create_local_groups: the ranks passed different numbers:\n{rows}",
+                                              op="create_local_groups", ranks=_odd_ones(asked))
         self._set_machines([list(range(m, m + n)) for m in range(0, self.world_size, n)])
 
     def _set_machines(self, machines: list[list[int]]) -> None:
@@ -770,7 +780,7 @@ class Communicator(abc.ABC):
         if problem is not None and world == 1 and self._alone:
             raise self._alone_error(op, problem)
         gathering = op is Op.ALL_GATHER_TENSOR
-        x = tensor.reshape(1) if gathering and tensor.dim() == 0 else tensor
+        x = tensor.reshape(1) if gathering and problem is None and tensor.dim() == 0 else tensor
         if world == 1 and self._alone:
             return x.clone() if gathering or op is Op.REDUCE_SCATTER_TENSOR else tensor
         st = self._stat(op)
@@ -859,23 +869,35 @@ class Communicator(abc.ABC):
         """Every rank's tensor, in rank order (this rank's own included)."""
         raise NotImplementedError(f"{type(self).__name__} has no tensor transport")
 
+    def _same_tensors(self, values: list[torch.Tensor], mine: torch.Tensor, rows: bool = False) -> list[torch.Tensor]:
+        """Refuse what a real transport can't combine (only reachable with check=False)."""
+        for r, v in enumerate(values):
+            if v.dtype != mine.dtype or (v.shape[1:] if rows else v.shape) != (mine.shape[1:] if rows else mine.shape):
+                raise CollectiveError(
+                    f"rank {r}'s tensor ({v.dtype}, {tuple(v.shape)}) doesn't match this rank's ({mine.dtype}, "
+                    f"{tuple(mine.shape)}); with check=False the transport fails (or hangs) on this", ranks=[r])
+        return values
+
     def _tensor_reduce(self, tensor: torch.Tensor, dst: int | None, op: str, timeout: float | None) -> None:
         """Reduce ``tensor`` in place onto ``dst`` (None: every rank); "mean" sums."""
-        values = self._gather_tensors(tensor, timeout)
+        values = self._same_tensors(self._gather_tensors(tensor, timeout), tensor)
         if dst is None or dst == self.rank:
             tensor.copy_(fold_tensors(values, op))
 
     def _tensor_broadcast(self, tensor: torch.Tensor, src: int, timeout: float | None) -> None:
-        values = self._gather_tensors(tensor, timeout)
+        values = self._same_tensors(self._gather_tensors(tensor, timeout), tensor)
         tensor.copy_(values[src])
 
     def _tensor_all_gather(self, out: torch.Tensor, tensor: torch.Tensor, rows: list[int],
                            timeout: float | None) -> None:
-        values = self._gather_tensors(tensor, timeout)
+        values = self._same_tensors(self._gather_tensors(tensor, timeout), tensor, rows=True)
+        if [v.shape[0] for v in values] != rows:
+            raise CollectiveError(f"the ranks' first dimensions are {[v.shape[0] for v in values]}, this rank expected "
+                                  f"{rows}; with check=False every rank's must equal this rank's")
         torch.cat(values, out=out)
 
     def _tensor_reduce_scatter(self, out: torch.Tensor, tensor: torch.Tensor, op: str, timeout: float | None) -> None:
-        values = self._gather_tensors(tensor, timeout)
+        values = self._same_tensors(self._gather_tensors(tensor, timeout), tensor)
         out.copy_(fold_tensors(values, op).chunk(self.world_size)[self.rank])
 
     # ------------------------------------------------------------------ object reductions
@@ -916,7 +938,9 @@ class Communicator(abc.ABC):
         self._check_usable()
         t = self._op_timeout(timeout)
         if self.world_size == 1 and self._alone:
-            return None if op is Op.EXSCAN else obj
+            if op is Op.EXSCAN:
+                return None
+            return bool(obj) if name in ("any", "all") else obj  # the type a fold of two would give
         objs = self._run(op, root, obj, t)
         prefix = op is Op.SCAN or op is Op.EXSCAN
         payload = self._fold_payload(op, objs, name, fn, root) if self.rank == root else None

@@ -13,7 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from ._communicator import DEFAULT_TIMEOUT, _seconds
-from ._context import use
+from ._context import clear_default, set_default, use
 from ._errors import RankFailedError
 from ._local import LocalCommunicator
 
@@ -111,7 +111,11 @@ def launch(
     assert seconds is not None
     if num_machines == 1 and num_processes_per_machine == 1:
         with LocalCommunicator(timeout=seconds) as comm, use(comm):
-            main_func(*args)
+            set_default(comm)  # helper threads see it too, as in a job of many processes
+            try:
+                main_func(*args)
+            finally:
+                clear_default(comm)
         return
     if dist_url in (None, "auto"):
         if num_machines != 1:

@@ -69,6 +69,12 @@ def test_one_process_runs_in_the_caller(tmp_path: Path) -> None:
                     1, 1, 0, "auto", (cfg,), datetime.timedelta(minutes=30))
     pid, kind, result = seen[0]
     assert (pid, kind) == (os.getpid(), "LocalCommunicator")
+    import threading
+
+    helper: list[Any] = []
+    distcomm.launch(lambda: [t.start() or t.join() for t in [threading.Thread(
+        target=lambda: helper.append(distcomm.current() is distcomm.current()))]], 1)
+    assert helper == [True]  # the world-of-one communicator is every thread's default too
     _check([result], 1)
 
 
@@ -102,6 +108,8 @@ def test_the_local_process_group_names() -> None:
     assert run_threaded(regroup, 4) == [(0, 4, 0, 2), (1, 4, 1, 2), (2, 4, 0, 2), (3, 4, 1, 2)]
     with pytest.raises(distcomm.testing.RankFailedError, match="does not divide world_size 4"):
         run_threaded(lambda c: comm.create_local_process_group(3), 4)
+    with pytest.raises(distcomm.testing.RankFailedError, match="passed different numbers"):
+        run_threaded(lambda c: comm.create_local_process_group(2 if c.rank else 4), 4)
 
 
 def _gloo_regroup(c: distcomm.Communicator) -> tuple[int, int, list[int], bool]:

@@ -43,6 +43,7 @@ def tensor_errors(comm: distcomm.Communicator) -> list[Any]:
         lambda: comm.all_reduce(torch.ones(2, dtype=torch.int64), "mean"),
         lambda: comm.reduce_scatter_tensor(torch.ones(4)),
         lambda: comm.broadcast_tensor(torch.ones(2, dtype=torch.float64 if r == 2 else torch.float32), src=1),
+        lambda: comm.all_gather_tensor([1, 2] if r == 1 else torch.ones(2)),  # type: ignore[arg-type]
     ]
     return [(outcome(case), after(comm)) for case in cases]
 
@@ -59,6 +60,7 @@ def test_tensor_input_errors_reach_every_rank(world: str) -> None:
         ("CollectiveError", "op='mean' needs a floating point or complex tensor", (0, 1, 2)),
         ("CollectiveError", "dim 0 must be a multiple of world_size 3", (0, 1, 2)),
         ("CollectiveMismatchError", "rank 2: torch.float64 (2,)", (2,)),
+        ("CollectiveError", "got a list, not a tensor", (1,)),
     ]
     for rank, cases in enumerate(results):
         assert len(cases) == len(want)
@@ -240,6 +242,17 @@ def test_parent_closes_its_sub_communicators() -> None:
         assert text.endswith("closed)")
 
 
+def test_doubles_refuse_unchecked_mismatches_as_a_transport_would() -> None:
+    def fn(comm: distcomm.Communicator) -> Any:
+        uneven = outcome(lambda: comm.all_gather_tensor(torch.ones(comm.rank + 1), check=False))
+        dtypes = outcome(lambda: comm.all_reduce(torch.ones(3, dtype=torch.float64 if comm.rank else torch.float32),
+                                                 check=False))
+        return uneven[0], dtypes[0]
+
+    assert run_threaded(fn, 2) == [("CollectiveError", "CollectiveError")] * 2
+    assert distcomm.LocalCommunicator().all_reduce_object(torch.tensor(False), "any") is False  # as a fold gives
+
+
 def test_fake_records_and_scripts_the_new_ops() -> None:
     comm = FakeCommunicator(1, 3, peers=lambda op, r, obj: torch.full_like(obj, r) if op == "all_reduce" else obj)
     assert comm.all_reduce(torch.ones(2), "max").tolist() == [2.0, 2.0]
@@ -247,6 +260,8 @@ def test_fake_records_and_scripts_the_new_ops() -> None:
     sub = comm.split(1)
     assert isinstance(sub, FakeCommunicator) and (sub.rank, sub.world_size) == (1, 3)
     assert [c.op for c in comm.calls] == ["all_reduce", "scan", "split"]
+    assert FakeCommunicator(0, 4).new_group([0, 1]).world_size == 2  # unscripted peers follow the members
+    assert FakeCommunicator(2, 4).new_group([0, 1]) is None
     assert comm.calls[0].args["op"] == "max" and comm.calls[2].args == {"color": 1, "key": None}
     odd = FakeCommunicator(0, 2, peers=lambda op, r, obj: torch.ones(3))
     with pytest.raises(distcomm.CollectiveMismatchError, match=r"rank 1: torch.float32 \(3,\)"):

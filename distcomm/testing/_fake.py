@@ -181,6 +181,10 @@ class FakeCommunicator(Communicator):
             pobj = self._peers(op.label, r, obj)
             if op in (Op.REDUCE_OBJECT, Op.ALL_REDUCE_OBJECT, Op.SCAN, Op.EXSCAN):
                 self._step1[r] = pobj
+            elif op is Op.SPLIT and pobj is obj:
+                # unscripted: new_group's members are known; split puts every peer in this rank's color
+                color, _, members = obj
+                pobj = ((None if r not in members else 0) if members is not None else color, r, members)
         kind = _ROUTE[op]
         if kind is Op.SCATTER and r == root and (not isinstance(pobj, Sequence) or len(pobj) != self._size):
             raise ValueError(

@@ -67,6 +67,12 @@ def _pool_worker(rank: int, world: int, url: str, inbox: Any, out: Any, backend:
         out.put((rank, -1, *_failure(e), -1))
         return
     own = set(vars(comm))
+
+    def state() -> tuple[Any, ...]:  # what a function may change that a fresh world wouldn't have
+        return (comm.max_bytes, id(comm.serializer), comm.slot_bytes, comm.receive_cuda_on, comm._local,
+                comm._local_group, len(comm._children), len(comm._owned))
+
+    fresh = state()
     with comm, use(comm):
         while True:
             job = inbox.get()
@@ -82,7 +88,7 @@ def _pool_worker(rank: int, world: int, url: str, inbox: Any, out: Any, backend:
                 got = _failure(e)
             for name in set(vars(comm)) - own:  # settings a function changed on its communicator
                 delattr(comm, name)
-            intact = got[0] and comm._broken is None and not comm._closed
+            intact = got[0] and comm._broken is None and not comm._closed and state() == fresh
             out.put((rank, job_id, *got, comm._seq if intact else -1))
             if not intact:
                 return
