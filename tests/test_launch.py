@@ -134,6 +134,6 @@ def _gloo_threads_after_close(comm: distcomm.Communicator) -> tuple[int, int]:
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc to count threads")
 def test_close_tears_the_owned_groups_down_at_once() -> None:
     """The gloo threads are gone when close() returns, not left running into interpreter exit."""
-    for before, after in distcomm.testing.spawn(_gloo_threads_after_close, 2, timeout=60):
+    for before, after in distcomm.testing.spawn(_gloo_threads_after_close, 2, timeout=60, reuse=False):
         assert before > 0
         assert after == 0

@@ -69,8 +69,11 @@ def _pool_worker(rank: int, world: int, url: str, inbox: Any, out: Any, backend:
     own = set(vars(comm))
 
     def state() -> tuple[Any, ...]:  # what a function may change that a fresh world wouldn't have
+        import torch.distributed as dist
+
+        groups = len(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else -1  # its own groups too
         return (comm.max_bytes, id(comm.serializer), comm.slot_bytes, comm.receive_cuda_on, comm._local,
-                comm._local_group, len(comm._children), len(comm._owned))
+                comm._local_group, len(comm._children), len(comm._owned), groups)
 
     fresh = state()
     with comm, use(comm):
