@@ -13,7 +13,7 @@ help:  ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
 
 $(STAMP): pyproject.toml Makefile
-	@echo "==> set-up, once: a virtual environment in $(VENV) (about 2-3 minutes in all)"
+	@echo "==> set-up, once: a virtual environment in $(VENV) (about 1-2 minutes in all)"
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@echo "==> [1/3] upgrading pip"
 	@$(BIN)/python -m pip install -q --upgrade pip
