@@ -1108,6 +1108,8 @@ class Communicator(abc.ABC):
         ordered = [groups[c] for c in sorted(groups)]
         mine = next((m for m in ordered if self.rank in m), None)
         sub = self._make_sub(ordered, mine, t)
+        for k in [k for k, c in self._children.items() if c._closed]:  # closed ones are let go
+            del self._children[k]
         if sub is not None:
             self._children[("sub", self._seq, id(sub))] = sub
         return sub

@@ -343,7 +343,10 @@ class _TorchCommunicator(Communicator):
         if mine is None:
             return None
         group = made[groups.index(mine)]
-        return type(self)(group, machine=self._machine_key, **self._sub_kwargs(timeout))
+        sub = type(self)(group, machine=self._machine_key, **self._sub_kwargs(timeout))
+        self._owned.remove(group)  # the sub-communicator destroys its group when it closes
+        sub._owned.insert(0, group)
+        return sub
 
     def _sub_kwargs(self, timeout: float | None) -> dict[str, Any]:
         return self._sub_settings(timeout)

@@ -282,3 +282,17 @@ def test_stats_name_what_the_user_called() -> None:
     for names, calls, sent in spawn(fn, 2, timeout=120):
         assert names == ["all_reduce", "shared_random_seed"]  # no set-up, no error-path exchange
         assert calls == 2 and sent >= 4000  # the ring's share of 4,000 bytes, plus the checks
+
+
+def _repeated_splits(comm: distcomm.Communicator) -> tuple[int, int, int]:
+    import torch.distributed as dist
+
+    for _ in range(10):  # a split per evaluation: each closed one releases its group
+        with comm.split(0) as sub:
+            sub.all_gather(1)
+    return len(comm._owned), len(comm._children), len(dist.distributed_c10d._world.pg_map)  # type: ignore[attr-defined]
+
+
+def test_closed_sub_communicators_release_their_groups() -> None:
+    # no group left but the default; the parent lets go of a closed child at its next split
+    assert spawn(_repeated_splits, 2, timeout=120, reuse=False) == [(0, 1, 1), (0, 1, 1)]
