@@ -968,6 +968,8 @@ class Communicator(abc.ABC):
             failure = (False, (f"{op.label}: op {name!r} failed on rank {root} combining rank {e.rank}'s object: {e}",
                                e.rank))
             return [failure] * len(objs) if prefix else failure
+        if name in ("any", "all"):  # a bool even where nothing was folded (one rank)
+            folded = [bool(v) for v in folded]
         if op is Op.SCAN:
             return [(True, v) for v in folded]
         if op is Op.EXSCAN:
