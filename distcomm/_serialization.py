@@ -223,12 +223,61 @@ _SAFE_GLOBALS = frozenset(
 )
 
 
+# What a safe payload may hand to a constructor: data it carries itself. A range, an iterator or a
+# count would let a few bytes allocate without bound (bytearray(1 << 30), list(range(10**9))).
+_CARRIED = (list, tuple, dict, set, frozenset, bytes, bytearray, str, int, float, complex, bool, type(None))
+_AMPLIFIERS = frozenset({("builtins", n) for n in ("list", "tuple", "set", "frozenset", "dict", "bytes", "bytearray")}
+                        | {("collections", n) for n in ("deque", "Counter", "OrderedDict")})
+
+
+def _bounded(ctor: Callable[..., Any], name: str) -> Callable[..., Any]:
+    counts = ctor in (bytes, bytearray)  # bytes(n) and bytearray(n) allocate n bytes from one int
+
+    def build(*args: Any, **kwargs: Any) -> Any:
+        for a in (*args, *kwargs.values()):
+            if not isinstance(a, _CARRIED) or (counts and isinstance(a, int)):
+                raise UnsafePayloadError(
+                    f"SafeSerializer refused {name}() of a {type(a).__name__}: a safe payload builds containers "
+                    f"only from data it carries (a count or a range could allocate without bound)")
+        return ctor(*args, **kwargs)
+
+    return build
+
+
+class _ArrayType:
+    """numpy.ndarray as a safe payload may name it: an argument to _reconstruct, never called itself
+    (ndarray(shape) allocates whatever shape says)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise UnsafePayloadError("SafeSerializer refused numpy.ndarray(...): it allocates from a shape alone")
+
+
+_ARRAY_TYPE = _ArrayType()
+
+
+def _reconstruct_array(subtype: Any, shape: Any, dtype: Any) -> Any:
+    """numpy's own pickles call _reconstruct(ndarray, (0,), b'b') and then set the state, whose data
+    the payload carries; any other shape would allocate from the shape alone."""
+    import numpy as np
+
+    if subtype is not _ARRAY_TYPE or tuple(shape) != (0,):
+        raise UnsafePayloadError(f"SafeSerializer refused numpy _reconstruct({subtype!r}, {shape!r}): only "
+                                 f"numpy's own empty-then-filled form is allowed")
+    return np.ndarray.__new__(np.ndarray, (0,), dtype)
+
+
 class _SafeUnpickler(pickle.Unpickler):
     def __init__(self, file: io.BytesIO, buffers: Iterable[Any], allowed: frozenset[tuple[str, str]]) -> None:
         super().__init__(file, buffers=buffers)
         self._allowed = allowed
 
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _AMPLIFIERS and (module, name) not in self._allowed:
+            return _bounded(super().find_class(module, name), f"{module}.{name}")
+        if module in ("numpy", "numpy._core.multiarray", "numpy.core.multiarray") and name == "ndarray":
+            return _ARRAY_TYPE
+        if module in ("numpy._core.multiarray", "numpy.core.multiarray") and name == "_reconstruct":
+            return _reconstruct_array
         if module == "builtins" and name in _SAFE_BUILTINS:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
