@@ -53,6 +53,7 @@ def test_step2_modes_fake_and_threaded(step2: str, world_size: int) -> None:
         check(result, local=(r, world_size))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("step2", sorted(_STEP2))
 def test_step2_modes_gloo(step2: str) -> None:
     for r, result in enumerate(spawn(_STEP2[step2], 4, timeout=120)):

@@ -45,6 +45,7 @@ def _check(results: list[dict[str, Any]], world: int) -> None:
         assert res["metrics"] == ({"n": 10, "ids": list(range(10)), "mean": 2.25} if r == 0 else {})
 
 
+@pytest.mark.slow
 def test_two_processes_through_launch_positionally(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "tests.d2style.train_net", str(tmp_path), "2"], cwd=ROOT, env=env,
@@ -122,6 +123,7 @@ def _gloo_regroup(c: distcomm.Communicator) -> tuple[int, int, list[int], bool]:
     return c.local_rank, c.local_size, dist.get_process_group_ranks(g), bool(g is distcomm.get_local_process_group())
 
 
+@pytest.mark.slow
 def test_create_local_process_group_over_gloo() -> None:
     results = distcomm.testing.spawn(_gloo_regroup, 4, timeout=120)
     assert results == [(0, 2, [0, 1], True), (1, 2, [0, 1], True), (0, 2, [2, 3], True), (1, 2, [2, 3], True)]

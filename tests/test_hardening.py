@@ -309,6 +309,7 @@ class _TwoArgs(Exception):
         super().__init__(f"{a} and {b}")
 
 
+@pytest.mark.slow
 def test_spawn_reports_an_exception_that_cannot_come_back() -> None:
     def fn(comm: distcomm.Communicator) -> None:
         if comm.rank == 1:

@@ -62,6 +62,7 @@ def test_launch_two_simulated_machines(tmp_path: Path) -> None:
         assert info["machines"] == [0, 0, 1, 1]
 
 
+@pytest.mark.slow
 def test_launch_one_machine_with_a_closure(tmp_path: Path) -> None:
     script = tmp_path / "one.py"
     script.write_text(textwrap.dedent(f"""

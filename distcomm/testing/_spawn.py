@@ -137,7 +137,7 @@ class _World:
 
 
 _WORLDS: dict[tuple[int, str, bytes], _World] = {}
-_KEPT = 4
+_KEPT = 8
 
 
 @atexit.register
@@ -190,7 +190,7 @@ def spawn(fn: Callable[[Any], _R], world_size: int, *, backend: str = "gloo", ti
             starting them once). A world is kept only while every rank returns normally with its
             communicator intact and in step; attributes ``fn`` sets on the communicator and its
             stats are reset between calls. Otherwise, a fresh world as without ``reuse``. The
-            four most recently used worlds are kept. Default: the environment variable
+            eight most recently used worlds are kept. Default: the environment variable
             DISTCOMM_SPAWN_REUSE=1 turns it on (for a whole test suite).
         comm_kwargs: passed to each communicator (serializer=, max_bytes=, ...).
 
