@@ -180,7 +180,7 @@ def late(comm: distcomm.Communicator) -> Any:
 
 @pytest.mark.slow
 def test_peer_that_sleeps_past_the_timeout() -> None:
-    early, late_one = spawn(late, 2, timeout=120)
+    early, late_one = spawn(late, 2, timeout=120, reuse=False)  # a fresh job: timings and the store as a job meets them
     assert early[0] == "CollectiveTimeoutError", early
     assert early[2] == (1,) and "rank 1 never reported" in early[1], early
     assert 1.9 < early[3] < 6, early
@@ -197,7 +197,7 @@ def late_sync(comm: distcomm.Communicator) -> Any:
 
 @pytest.mark.slow
 def test_synchronize_timeout_names_the_missing_rank_and_breaks_the_communicator() -> None:
-    out = spawn(late_sync, 3, timeout=120)
+    out = spawn(late_sync, 3, timeout=120, reuse=False)  # a fresh job: timings and the store as a job meets them
     for r in (0, 1):
         first, after = out[r]
         assert first[0] == "CollectiveTimeoutError" and 2 in first[2], first
@@ -215,7 +215,7 @@ def dies(comm: distcomm.Communicator) -> Any:
 @pytest.mark.slow
 def test_peer_that_exits_mid_job() -> None:
     t0 = time.monotonic()
-    survivor, dead = spawn(dies, 2, timeout=120, return_exceptions=True)
+    survivor, dead = spawn(dies, 2, timeout=120, return_exceptions=True, reuse=False)  # a fresh job
     assert isinstance(dead, RankFailedError) and "exited with code 3" in str(dead)
     assert survivor[0] == "PeerError", survivor
     assert survivor[2] == (1,) and "rank 1" in survivor[1]
