@@ -13,7 +13,16 @@ from typing import Any
 import torch
 
 from .. import _frame
-from .._communicator import _I64, _ROUTE, Communicator, Op, _dict_signature, _reduce_digest, _tensor_fields
+from .._communicator import (
+    _COLLECTIVES,
+    _I64,
+    _ROUTE,
+    Communicator,
+    Op,
+    _dict_signature,
+    _reduce_digest,
+    _tensor_fields,
+)
 
 __all__ = ["Call", "FakeCommunicator"]
 
@@ -272,10 +281,6 @@ class FakeCommunicator(Communicator):
 
 
 # Every public collective is recorded in ``calls`` with its arguments (but timeout and check).
-_RECORDED = ("synchronize", "all_gather", "gather", "broadcast", "scatter", "shared_random_seed", "reduce_dict",
-             "all_reduce_dict", "all_reduce", "reduce", "broadcast_tensor", "all_gather_tensor",
-             "reduce_scatter_tensor", "reduce_object", "all_reduce_object", "scan", "exscan", "all_to_all", "split",
-             "new_group", "create_local_groups")
 
 
 def _recorded(name: str) -> Callable[..., Any]:
@@ -292,5 +297,5 @@ def _recorded(name: str) -> Callable[..., Any]:
     return method
 
 
-for _name in _RECORDED:
+for _name in _COLLECTIVES:
     setattr(FakeCommunicator, _name, _recorded(_name))
