@@ -27,7 +27,8 @@ from typing import Any
 import cloudpickle
 import torch
 
-from ._errors import SerializationError, UnsafePayloadError
+from . import _safe
+from ._errors import SerializationError
 
 __all__ = ["PickleSerializer", "SafeSerializer", "Serializer", "default_serializer"]
 
@@ -193,113 +194,16 @@ def _name_of(item: Any) -> tuple[str, str]:
     return mod, qualname
 
 
-_SAFE_BUILTINS = frozenset(
-    {"dict", "list", "tuple", "set", "frozenset", "bytearray", "bytes", "complex", "slice", "range",
-     "int", "float", "str", "bool", "object"}
-)
-_SAFE_GLOBALS = frozenset(
-    {
-        ("collections", "OrderedDict"),
-        ("collections", "deque"),
-        ("collections", "Counter"),
-        ("datetime", "datetime"),
-        ("datetime", "date"),
-        ("datetime", "time"),
-        ("datetime", "timedelta"),
-        ("datetime", "timezone"),
-        ("numpy", "dtype"),
-        ("numpy", "ndarray"),
-        ("numpy._core.numeric", "_frombuffer"),
-        ("numpy.core.numeric", "_frombuffer"),
-        ("numpy._core.multiarray", "_reconstruct"),
-        ("numpy.core.multiarray", "_reconstruct"),
-        ("numpy._core.multiarray", "scalar"),
-        ("numpy.core.multiarray", "scalar"),
-        ("torch", "Size"),
-        ("torch", "device"),
-        ("torch._utils", "_rebuild_parameter"),
-        (__name__, "_rebuild_tensor"),
-    }
-)
-
-
-# What a safe payload may hand to a constructor: data it carries itself. A range, an iterator or a
-# count would let a few bytes allocate without bound (bytearray(1 << 30), list(range(10**9))).
-_CARRIED = (list, tuple, dict, set, frozenset, bytes, bytearray, str, int, float, complex, bool, type(None))
-_AMPLIFIERS = frozenset({("builtins", n) for n in ("list", "tuple", "set", "frozenset", "dict", "bytes", "bytearray")}
-                        | {("collections", n) for n in ("deque", "Counter", "OrderedDict")})
-
-
-def _bounded(ctor: Callable[..., Any], name: str) -> Callable[..., Any]:
-    counts = ctor in (bytes, bytearray)  # bytes(n) and bytearray(n) allocate n bytes from one int
-
-    def build(*args: Any, **kwargs: Any) -> Any:
-        for a in (*args, *kwargs.values()):
-            if not isinstance(a, _CARRIED) or (counts and isinstance(a, int)):
-                raise UnsafePayloadError(
-                    f"SafeSerializer refused {name}() of a {type(a).__name__}: a safe payload builds containers "
-                    f"only from data it carries (a count or a range could allocate without bound)")
-        return ctor(*args, **kwargs)
-
-    return build
-
-
-class _ArrayType:
-    """numpy.ndarray as a safe payload may name it: an argument to _reconstruct, never called itself
-    (ndarray(shape) allocates whatever shape says)."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        raise UnsafePayloadError("SafeSerializer refused numpy.ndarray(...): it allocates from a shape alone")
-
-
-_ARRAY_TYPE = _ArrayType()
-
-
-def _reconstruct_array(subtype: Any, shape: Any, dtype: Any) -> Any:
-    """numpy's own pickles call _reconstruct(ndarray, (0,), b'b') and then set the state, whose data
-    the payload carries; any other shape would allocate from the shape alone."""
-    import numpy as np
-
-    if subtype is not _ARRAY_TYPE or tuple(shape) != (0,):
-        raise UnsafePayloadError(f"SafeSerializer refused numpy _reconstruct({subtype!r}, {shape!r}): only "
-                                 f"numpy's own empty-then-filled form is allowed")
-    return np.ndarray.__new__(np.ndarray, (0,), dtype)
-
-
-class _SafeUnpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, buffers: Iterable[Any], allowed: frozenset[tuple[str, str]]) -> None:
-        super().__init__(file, buffers=buffers)
-        self._allowed = allowed
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _AMPLIFIERS and (module, name) not in self._allowed:
-            return _bounded(super().find_class(module, name), f"{module}.{name}")
-        if module in ("numpy", "numpy._core.multiarray", "numpy.core.multiarray") and name == "ndarray":
-            return _ARRAY_TYPE
-        if module in ("numpy._core.multiarray", "numpy.core.multiarray") and name == "_reconstruct":
-            return _reconstruct_array
-        if module == "builtins" and name in _SAFE_BUILTINS:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        if module in ("numpy", "numpy.dtypes") and name.endswith("DType"):
-            return super().find_class(module, name)
-        if (module, name) in _SAFE_GLOBALS or (module, name) in self._allowed:
-            return super().find_class(module, name)
-        raise UnsafePayloadError(
-            f"SafeSerializer refused to load global {module}.{name}: it is not on the allowlist "
-            f"(register it with SafeSerializer(allow=[...]) if it is trusted)"
-        )
-
-
 class SafeSerializer(PickleSerializer):
     """A serializer whose ``loads`` can't run code: it builds only allowlisted types.
 
     Allowed: builtin containers and scalars, a few stdlib value types (OrderedDict, deque, Counter,
-    datetime), numpy arrays, scalars and dtypes, torch tensors, dtypes, Size and device, plus what
-    you pass in ``allow`` (classes, functions, or "module.Name" strings). A refused global raises
-    UnsafePayloadError naming it; nothing is built. ``dumps`` uses plain pickle (no cloudpickle:
-    a peer's SafeSerializer would refuse code anyway).
+    datetime), numpy arrays, scalars and dtypes (plain data: no object fields, each dtype state
+    checked against the dtype numpy builds from its description), torch tensors, dtypes, Size and
+    device, plus what you pass in ``allow`` (classes, functions, or "module.Name" strings). A
+    refused global raises UnsafePayloadError naming it; nothing is built. Loads run on Python's own
+    unpickler (about 1 µs per opcode), whose memory use is bounded by the bytes received. ``dumps``
+    uses plain pickle (no cloudpickle: a peer's SafeSerializer would refuse code anyway).
 
     Registered classes are rebuilt the ordinary pickle way (``__reduce__``/``__setstate__``), so
     only register classes whose construction from untrusted state is harmless.
@@ -314,7 +218,7 @@ class SafeSerializer(PickleSerializer):
     def loads(self, segments: Sequence[memoryview]) -> Any:
         if not segments:
             raise SerializationError("no stream segment to load")
-        return _SafeUnpickler(io.BytesIO(segments[0]), segments[1:], self.allowed).load()
+        return _safe.load(segments[0], segments[1:], self.allowed)
 
     def __repr__(self) -> str:
         names = sorted(f"{m}.{n}" for m, n in self.allowed)

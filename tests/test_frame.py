@@ -75,6 +75,27 @@ def test_pack_round_trip_and_fuzz(segs: list[bytes], junk: bytes, cut: int) -> N
             pass
 
 
+@given(parts=segments, flips=st.lists(st.tuples(st.integers(0, 1023), st.integers(0, 255)), min_size=1, max_size=6))
+@settings(max_examples=400, deadline=None)
+def test_mutated_frames(parts: list[list[bytes]], flips: list[tuple[int, int]]) -> None:
+    """A valid slot with bytes changed (sizes, counts, offsets, status): a frame whose every size stays
+    inside the slot, or FrameError."""
+    views = [[memoryview(s) for s in p] for p in parts]
+    if _frame.table_size([len(p) for p in parts]) > 1024:
+        return
+    slot = bytearray(_frame.encode(3, 1, 0, 0, views, 1024))
+    for at, value in flips:
+        slot[at % len(slot)] = value
+    try:
+        out = _frame.decode(bytes(slot))
+    except FrameError:
+        return
+    for part in out.parts:
+        for size, inline in part:
+            assert size >= 0
+            assert inline is None or len(inline) == size
+
+
 def test_specific_errors() -> None:
     with pytest.raises(FrameError, match="shorter than"):
         _frame.decode(b"DCM1")

@@ -259,6 +259,38 @@ def test_safe_loads_refuse_constructors_that_allocate_from_a_count(index: int) -
         tracemalloc.stop()
 
 
+_COUNTED = {  # a few bytes that name a count the C unpickler would allocate (or zero-fill) before reading
+    "memo index": b"\x80\x05Nr" + (1 << 30).to_bytes(4, "little") + b".",
+    "text memo index": b"\x80\x05Np1073741824\n.",
+    "binbytes": b"\x80\x05B" + (1 << 31).to_bytes(4, "little") + b".",
+    "binbytes8": b"\x80\x05\x8e" + (1 << 40).to_bytes(8, "little") + b".",
+    "bytearray8": b"\x80\x05\x96" + (1 << 40).to_bytes(8, "little") + b".",
+}
+
+
+@pytest.mark.parametrize("name", sorted(_COUNTED))
+def test_safe_loads_allocate_nothing_from_a_count_in_the_stream(name: str) -> None:
+    """LONG_BINPUT 2**30 makes the C unpickler zero-fill an 8 GiB memo from 9 bytes; counted bytes
+    are allocated before they are read. The safe loader reads first and keys its memo by index."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        try:
+            distcomm.SafeSerializer().loads([memoryview(_COUNTED[name])])
+        except Exception as e:  # a short stream may fail to load; it must not allocate on the way
+            assert isinstance(e, (distcomm.SerializationError, pickle.UnpicklingError, EOFError)), e
+        assert tracemalloc.get_traced_memory()[1] < 1 << 20
+    finally:
+        tracemalloc.stop()
+
+
+def test_safe_loads_refuse_extension_codes() -> None:
+    """EXT opcodes name objects from copyreg's cache, which find_class never sees."""
+    with pytest.raises(distcomm.UnsafePayloadError, match="extension code"):
+        distcomm.SafeSerializer().loads([memoryview(b"\x80\x05\x82\x01.")])
+
+
 def test_safe_loads_still_build_what_peers_really_send() -> None:
     import collections
 
@@ -281,8 +313,9 @@ def test_a_safe_load_allocates_a_bounded_multiple_of_what_it_received() -> None:
     import tracemalloc
 
     shared = [0]
-    for obj in ([[[]] for _ in range(50_000)], [shared] * 200_000, {i: (i, [i]) for i in range(20_000)},
-                [set() for _ in range(50_000)]):
+    bombs = ([[[]] for _ in range(50_000)], [shared] * 200_000, {i: (i, [i]) for i in range(20_000)},
+             [set() for _ in range(50_000)])
+    for obj in (*bombs, *((b, np.float64(1.0)) for b in bombs)):  # numpy inside: the Python loader
         raw = pkl.dumps(obj, protocol=5)
         tracemalloc.start()
         try:
@@ -291,3 +324,89 @@ def test_a_safe_load_allocates_a_bounded_multiple_of_what_it_received() -> None:
         finally:
             tracemalloc.stop()
         assert peak < 150 * len(raw), (len(raw), peak)
+
+
+
+_FORGED = r"""
+import pickle, pickletools
+import numpy as np
+import distcomm
+from numpy.core.multiarray import _reconstruct, scalar
+
+class R:
+    def __init__(self, fn, args, state):
+        self.fn, self.args, self.state = fn, args, state
+    def __reduce__(self):
+        return self.fn, self.args, self.state
+
+def array_of(dtype, raw):
+    return R(_reconstruct, (np.ndarray, (0,), b"b"), (1, (1,), dtype, False, raw))
+
+def v16(flags):
+    fields = {"a": (np.dtype("int64"), 0), "b": (np.dtype("O"), 8)}
+    return R(np.dtype, ("V16", False, True), (3, "|", None, ("a", "b"), fields, 16, 1, flags))
+
+def built_again(new_state):
+    # a legit dtype, an array that uses it, then a second BUILD on the same dtype
+    legit = R(np.dtype, ("V8", False, True), (3, "|", None, ("a",), {"a": (np.dtype("int64"), 0)}, 8, 1, 16))
+    stream = pickle.dumps([legit, array_of(legit, bytes(8))], protocol=3)
+    ops = list(pickletools.genops(stream))
+    memo = next(ops[i + 1][1] for i, (op, _, _) in enumerate(ops) if op.name == "REDUCE")
+    state = pickle.dumps(new_state, protocol=3)[2:-1]
+    return stream[:-1] + b"h" + bytes([memo]) + state + b"b."
+
+pointer = (0x41414141).to_bytes(8, "little")
+int64 = np.dtype("int64")
+payloads = {
+    "hidden object field": pickle.dumps(array_of(v16(0), bytes(8) + pointer), protocol=5),
+    "refcounted raw bytes": pickle.dumps(array_of(v16(1), bytes(8) + pointer), protocol=5),
+    "offset past the item size": pickle.dumps(array_of(R(np.dtype, ("V8", False, True),
+        (3, "|", None, ("a",), {"a": (int64, 4096)}, 8, 1, 16)), bytes(8)), protocol=5),
+    "numpy's shared float64": pickle.dumps(
+        [R(np.dtype, ("f8", False, False), (3, "<", None, None, None, -1, -1, 1)), np.float64(1.0)], protocol=5),
+    "object scalar": pickle.dumps(R(scalar, (np.dtype("O"), pointer), None), protocol=5),
+    "object array": pickle.dumps(np.array([1, "a"], dtype=object), protocol=5),
+    "dtype class": pickle.dumps(np.dtypes.Float64DType, protocol=5),
+    "grown after use": built_again((3, "|", None, ("a",), {"a": (int64, 4088)}, 4096, 1, 16)),
+}
+for name, raw in payloads.items():
+    try:
+        got = distcomm.SafeSerializer().loads([memoryview(raw)])
+        print(name, "LOADED", repr(got)[:200])
+    except distcomm.UnsafePayloadError as e:
+        print(name, "refused:", e)
+print("float64 still plain:", np.dtype("f8").flags == 0 and not np.dtype("f8").hasobject)
+"""
+
+
+def test_safe_loads_refuse_forged_numpy_dtypes_and_object_arrays() -> None:
+    """A dtype state that hides an object field behind zero flags, claims a reference count, puts a
+    field past the item size, rewrites numpy's shared float64 or grows a dtype an array already uses
+    would make reading (or freeing) the result touch memory the peer chose. Each is refused by name.
+    It runs in a child process: a miss is a segfault."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", _FORGED], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "LOADED" not in out.stdout, out.stdout
+    for name in ("hidden object field", "refcounted raw bytes", "offset past the item size", "numpy's shared float64",
+                 "object scalar", "object array", "dtype class", "grown after use"):
+        assert f"{name} refused: SafeSerializer refused" in out.stdout, out.stdout
+    assert "float64 still plain: True" in out.stdout
+
+
+def test_fuzzed_safe_loads_build_only_allowlisted_types_within_the_allocation_bound() -> None:
+    """20,000 payloads (honest pickles mutated, random opcode sequences): each one raises, or builds
+    allowlisted types only, within 150 bytes per byte received plus 1 MiB. In a child: a miss may be
+    a segfault."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("fuzz_safe.py")
+    out = subprocess.run([sys.executable, str(script), "20261130", "20000"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])
+    assert "0 failures" in out.stdout

@@ -1,0 +1,148 @@
+"""Fuzz SafeSerializer.loads: honest pickles mutated (bytes flipped, inserted, deleted, cut), random
+opcode sequences, and crafted payloads. Run as a child process by tests/test_fuzz.py (a miss is a
+segfault, which must not take the test session with it).
+
+For each payload a load must either raise or return objects of allowlisted types only, and allocate
+at most 150 bytes per byte received plus 1 MiB. Prints one line per failure and a summary.
+
+    python tests/fuzz_safe.py SEED COUNT
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import pickle
+import pickletools
+import random
+import sys
+import tracemalloc
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+
+import distcomm
+
+warnings.simplefilter("ignore")
+
+_ALLOWED_TYPES = (dict, list, tuple, set, frozenset, str, bytes, bytearray, int, float, complex, bool, type(None),
+                  slice, range, object, collections.OrderedDict, collections.deque, collections.Counter,
+                  datetime.datetime, datetime.date, datetime.time, datetime.timedelta, datetime.timezone,
+                  np.ndarray, np.generic, np.dtype, torch.Tensor, torch.dtype, torch.Size, torch.device)
+
+
+def seeds() -> list[bytes]:
+    objs: list[Any] = [
+        {"loss": 1.5, "acc": 0.25, "n": 3}, [1, "a", b"b", (2.5, None)], {1, 2}, frozenset({"x"}),
+        collections.OrderedDict(a=1), collections.deque([1, 2], maxlen=3), collections.Counter("aab"),
+        datetime.datetime(2024, 1, 2, 3, 4, 5), datetime.timedelta(seconds=3), range(3), slice(1, 5, 2),
+        np.arange(6, dtype=np.float32).reshape(2, 3), np.float64(2.5), np.dtype("f4"),
+        np.zeros(2, dtype=[("x", "<f4"), ("y", "<i8")]),
+        np.zeros(2, dtype=np.dtype([("a", "u1"), ("b", "<f8")], align=True)),
+        np.array(["ab", "c"]), np.array(["2020-01-01"], dtype="M8[ns]"), np.zeros(3, dtype=("f4", (2,))),
+        torch.arange(4, dtype=torch.int64), torch.ones(2, 2, requires_grad=True), torch.float16, torch.Size([2, 3]),
+        torch.device("cpu"), bytearray(b"xyz"), 10**40, -(2**70), 1 + 2j, "é" * 5,
+    ]
+    out = []
+    for obj in objs:
+        for protocol in (2, 4, 5):
+            out.append(pickle.dumps(obj, protocol=protocol))
+        segs = distcomm.PickleSerializer(oob_threshold=0).dumps(obj)
+        out.append(bytes(segs[0]))
+    return out
+
+
+def mutate(rng: random.Random, data: bytes) -> bytes:
+    b = bytearray(data)
+    for _ in range(rng.randint(1, 4)):
+        kind = rng.randrange(5)
+        if kind == 0 and b:  # flip a byte
+            b[rng.randrange(len(b))] = rng.randrange(256)
+        elif kind == 1:  # insert bytes
+            i = rng.randrange(len(b) + 1)
+            b[i:i] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 8)))
+        elif kind == 2 and b:  # delete a run
+            i = rng.randrange(len(b))
+            del b[i:i + rng.randint(1, 8)]
+        elif kind == 3:  # cut
+            del b[rng.randrange(len(b) + 1):]
+        else:  # a large count where a count was
+            i = rng.randrange(len(b) + 1)
+            b[i:i] = rng.choice([b"\xff\xff\xff\x7f", b"\x00\x00\x00\x40", b"\xff" * 8])
+    return bytes(b)
+
+
+_OPS = [op for op in pickletools.opcodes]
+
+
+def random_ops(rng: random.Random) -> bytes:
+    """A random opcode sequence with arguments of plausible form."""
+    out = bytearray(b"\x80\x05")
+    for _ in range(rng.randint(1, 40)):
+        op = rng.choice(_OPS)
+        out += op.code.encode("latin-1")
+        arg = op.arg
+        if arg is None:
+            continue
+        if arg.n > 0:
+            out += bytes(rng.randrange(256) for _ in range(arg.n))
+        elif arg.n == pickletools.UP_TO_NEWLINE:
+            out += rng.choice([b"0", b"123", b"builtins", b"numpy", b"-1", b"99999999999"]) + b"\n"
+            if op.name in ("GLOBAL", "INST"):
+                out += rng.choice([b"dict", b"eval", b"dtype", b"_reconstruct"]) + b"\n"
+        else:  # counted: 1, 4 or 8 length bytes, then (some of) the data
+            width = {pickletools.TAKEN_FROM_ARGUMENT1: 1, pickletools.TAKEN_FROM_ARGUMENT4: 4,
+                     pickletools.TAKEN_FROM_ARGUMENT4U: 4, pickletools.TAKEN_FROM_ARGUMENT8U: 8}.get(arg.n, 1)
+            text = rng.choice([b"numpy", b"dtype", b"builtins", b"os", b"system", b"V16", b"f8", b"\x00" * 8])
+            out += len(text).to_bytes(width, "little") + text
+    return bytes(out + b".")
+
+
+def allowed(obj: Any, seen: set[int], depth: int = 0) -> bool:
+    if id(obj) in seen or depth > 200:
+        return True
+    seen.add(id(obj))
+    if not isinstance(obj, _ALLOWED_TYPES):
+        return False
+    if isinstance(obj, np.ndarray):
+        return not obj.dtype.hasobject
+    if isinstance(obj, dict):
+        return all(allowed(k, seen, depth + 1) and allowed(v, seen, depth + 1) for k, v in obj.items())
+    if isinstance(obj, (list, tuple, set, frozenset, collections.deque)):
+        return all(allowed(v, seen, depth + 1) for v in obj)
+    return True
+
+
+def main(seed: int, count: int) -> int:
+    rng = random.Random(seed)
+    base = seeds()
+    loader = distcomm.SafeSerializer()
+    failures = loaded = refused = 0
+    tracemalloc.start()
+    for i in range(count):
+        payload = random_ops(rng) if i % 3 == 0 else mutate(rng, rng.choice(base))
+        tracemalloc.reset_peak()
+        start = tracemalloc.get_traced_memory()[0]
+        try:
+            result = loader.loads([memoryview(payload)])
+        except (Exception, RecursionError):
+            refused += 1
+            result = None
+        else:
+            loaded += 1
+            if not allowed(result, set()):
+                failures += 1
+                print(f"FAIL built a {type(result).__name__} outside the allowlist from {payload!r}")
+        grown = tracemalloc.get_traced_memory()[1] - start
+        if grown > 150 * len(payload) + (1 << 20):
+            failures += 1
+            print(f"FAIL allocated {grown} bytes from {len(payload)}: {payload!r:.300}")
+        del result
+    print(f"fuzzed {count} payloads: {loaded} loaded, {refused} refused, {failures} failures")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(int(sys.argv[1]), int(sys.argv[2])))
