@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import multiprocessing
+import os
+import signal
 import socket
+import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,6 +24,8 @@ from ._local import LocalCommunicator
 
 __all__ = ["free_port", "launch"]
 
+_PR_SET_PDEATHSIG = 1
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (bind to 0, read it back)."""
@@ -27,12 +34,39 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _die_with(parent: int) -> None:
+    """Ask the kernel to kill this process when its parent dies (Linux), so that a launcher killed
+    with SIGKILL leaves no orphan behind; exit now if the parent is already gone."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        except (OSError, AttributeError):  # no prctl: the launcher's own cleanup still ends us
+            pass
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def _end(processes: Sequence[Any], grace: float = 3.0) -> None:
+    """Stop every process still running: SIGTERM, then SIGKILL after ``grace`` seconds."""
+    alive = [p for p in processes if p.is_alive()]
+    for p in alive:
+        p.terminate()
+    deadline = time.monotonic() + grace
+    for p in alive:
+        p.join(max(deadline - time.monotonic(), 0.0))
+    for p in alive:
+        if p.is_alive():
+            p.kill()
+            p.join(1.0)
+
+
 def _worker(
     local_rank: int, payload: bytes, per_machine: int, num_machines: int, machine_rank: int,
-    url: str, backend: str, timeout: float,
+    url: str, backend: str, timeout: float, parent: int,
 ) -> None:
     from ._torch import GlooCommunicator, NcclCommunicator, start_world
 
+    _die_with(parent)
     main_func, args = cloudpickle.loads(payload)
     cls = NcclCommunicator if backend == "nccl" else GlooCommunicator
     comm = start_world(cls, url, machine_rank * per_machine + local_rank, per_machine * num_machines, local_rank,
@@ -124,14 +158,18 @@ def launch(
     assert dist_url is not None
     payload = cloudpickle.dumps((main_func, tuple(args)))
     first = machine_rank * num_processes_per_machine
+    context = mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
+        _worker,
+        args=(payload, num_processes_per_machine, num_machines, machine_rank, dist_url, backend, seconds, os.getpid()),
+        nprocs=num_processes_per_machine,
+        join=False,
+        start_method="spawn",
+    )
     try:
-        mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
-            _worker,
-            args=(payload, num_processes_per_machine, num_machines, machine_rank, dist_url, backend, seconds),
-            nprocs=num_processes_per_machine,
-            join=True,
-            start_method="spawn",
-        )
+        # Join in one-second slices, so that Ctrl-C (or SIGINT sent to this process alone) is seen at
+        # once; on every way out, processes still running are ended.
+        while not context.join(1.0):
+            pass
     except mp.ProcessRaisedException as e:  # type: ignore[attr-defined]
         rank = first + e.error_index
         text = str(e.msg).strip()
@@ -142,3 +180,5 @@ def launch(
         rank = first + e.error_index
         how = f"was killed by {e.signal_name}" if e.signal_name else f"exited with code {e.exit_code}"
         raise RankFailedError(f"rank {rank} (pid {e.error_pid}) {how} before main_func returned", rank=rank) from None
+    finally:
+        _end(context.processes)

@@ -138,3 +138,91 @@ def test_close_tears_the_owned_groups_down_at_once() -> None:
     for before, after in distcomm.testing.spawn(_gloo_threads_after_close, 2, timeout=60, reuse=False):
         assert before > 0
         assert after == 0
+
+
+HANGING = textwrap.dedent("""
+    import os, sys, time
+    import distcomm
+
+    def main(out_dir):
+        open(f"{out_dir}/pid{distcomm.get_rank()}", "w").write(str(os.getpid()))
+        if distcomm.get_rank() == 1:
+            time.sleep(600)  # rank 0 waits for it in synchronize
+        distcomm.synchronize()
+
+    if __name__ == "__main__":
+        if sys.argv[2] == "ignore-sigint":
+            import signal
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        distcomm.launch(main, 2, args=(sys.argv[1],), timeout=600)
+""")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def _start_hanging(tmp_path: Path, mode: str) -> tuple[subprocess.Popen[str], list[int]]:
+    import time
+
+    script = tmp_path / "hang.py"
+    script.write_text(HANGING)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    parent = subprocess.Popen([sys.executable, str(script), str(tmp_path), mode], cwd=tmp_path, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / f"pid{r}").exists() and (tmp_path / f"pid{r}").read_text() for r in (0, 1)):
+        assert parent.poll() is None and time.monotonic() < deadline, parent.communicate()[0][-3000:]
+        time.sleep(0.2)
+    time.sleep(1.0)  # both ranks are inside main (rank 0 in synchronize)
+    return parent, [int((tmp_path / f"pid{r}").read_text()) for r in (0, 1)]
+
+
+def _wait_gone(pids: list[int], seconds: float) -> list[int]:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [p for p in pids if _alive(p)]
+
+
+@pytest.mark.slow
+def test_sigint_to_the_launcher_alone_ends_it_and_its_processes(tmp_path: Path) -> None:
+    """SIGINT sent to launch()'s PID only (not its process group): the launcher raises
+    KeyboardInterrupt within a few seconds and ends its processes; it used to hang with them."""
+    import signal
+
+    parent, children = _start_hanging(tmp_path, "default")
+    try:
+        os.kill(parent.pid, signal.SIGINT)
+        out = parent.communicate(timeout=30)[0]
+        assert parent.returncode != 0 and "KeyboardInterrupt" in out, out[-3000:]
+        assert _wait_gone(children, 15) == []
+    finally:
+        parent.kill()
+        for pid in children:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_a_launcher_killed_outright_leaves_no_orphan(tmp_path: Path) -> None:
+    """SIGKILL to a launcher that ignores SIGINT: its processes die with it (the kernel's parent-death
+    signal), where one used to stay behind as an orphan."""
+    import signal
+
+    parent, children = _start_hanging(tmp_path, "ignore-sigint")
+    try:
+        os.kill(parent.pid, signal.SIGINT)  # ignored
+        parent.kill()
+        parent.communicate(timeout=30)
+        assert _wait_gone(children, 15) == []
+    finally:
+        for pid in children:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
