@@ -368,6 +368,15 @@ class _TorchCommunicator(Communicator):
         except Exception:  # the store may be gone with the peer that hosted it
             return None
 
+    def _store_host(self) -> int | None:
+        """The rank (in this group) whose process serves the job's TCPStore: global rank 0."""
+        store = self._store
+        while store is not None and hasattr(store, "underlying_store"):  # PrefixStore
+            store = store.underlying_store
+        if store is None or type(store).__name__ != "TCPStore" or 0 not in self._ranks:
+            return None
+        return self._ranks.index(0)
+
     def _fail(self, exc: BaseException, timeout: float | None) -> NoReturn:
         text = str(exc).split("\n")[0]
         low = text.lower()
@@ -380,6 +389,10 @@ class _TorchCommunicator(Communicator):
         who = ""
         if missing:
             who = f"; rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} never reported reaching it"
+        host = self._store_host() if present is None else None
+        if host is not None:  # the store that would name the missing ranks went away: its host is the first suspect
+            missing = [host]
+            who = f"; rank {host}, which hosts the job's store, is unreachable (it exited or its machine is down)"
         timed_out = "timed out" in low or "timeout" in low
         closed = "closed" in low or "reset" in low or "broken pipe" in low or "connection" in low
         if timed_out and not ("closed by peer" in low and present is not None and not missing):

@@ -223,6 +223,24 @@ def test_peer_that_exits_mid_job() -> None:
     assert time.monotonic() - t0 < 60
 
 
+def rank0_dies(comm: distcomm.Communicator) -> Any:
+    comm.all_gather(0)
+    if comm.rank == 0:
+        os._exit(3)
+    return outcome(lambda: comm.all_gather(np.zeros(10)))
+
+
+@pytest.mark.slow
+def test_survivors_name_a_dead_rank_0() -> None:
+    """Rank 0 hosts the store that names missing ranks; when it dies, the survivors still name it."""
+    dead, *survivors = spawn(rank0_dies, 3, timeout=120, return_exceptions=True, reuse=False)
+    assert isinstance(dead, RankFailedError) and "exited with code 3" in str(dead)
+    for survivor in survivors:
+        assert survivor[0] == "PeerError", survivor
+        assert survivor[2] == (0,) and "rank 0, which hosts the job's store, is unreachable" in survivor[1], survivor
+        assert survivor[3] < 30, survivor  # not the 600 s timeout
+
+
 def test_run_threaded_releases_everyone_when_a_rank_raises() -> None:
     def fn(comm: distcomm.Communicator) -> Any:
         if comm.rank == 2:
