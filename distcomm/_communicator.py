@@ -34,6 +34,7 @@ import hashlib
 import math
 import os
 import struct
+import sys
 import threading
 import time
 import warnings
@@ -404,6 +405,10 @@ class Communicator(abc.ABC):
         self._local = (0, 1)  # (local rank, local size)
         self._busy = threading.Lock()  # held while a collective runs: one at a time, from one thread
         self._busy_thread = 0
+        # where the user called the collective in progress (file, line), and the last one that returned
+        self._site: tuple[str, int] = ("", 0)
+        self._done: tuple[str, int, tuple[str, int]] | None = None
+        self._raised: tuple[str, int, tuple[str, int], str] | None = None  # the last call, if it raised
 
     # ------------------------------------------------------------------ identity
     @property
@@ -1567,17 +1572,18 @@ class Communicator(abc.ABC):
         first = heads[0]
         same = (heads["op"] == first["op"]) & (heads["seq"] == first["seq"]) & (heads["root"] == first["root"])
         if not same.all():
-            rows = []
+            sites = self._gather_sites(timeout)
+            rows = {}
             for r, (hop, hseq, hroot) in enumerate(zip(heads["op"].tolist(), heads["seq"].tolist(),
                                                        heads["root"].tolist(), strict=True)):
                 name = Op(hop).label if hop in Op._value2member_map_ else f"op {hop}"
                 where = f" root={hroot}" if hroot >= 0 else ""
-                rows.append(f"  rank {r}: {name}{where} (call #{hseq})")
+                rows[r] = f"{name}{where} (call #{hseq}) at {sites[r]}"
             odd = _odd_ones(list(zip(heads["op"].tolist(), heads["seq"].tolist(), heads["root"].tolist(),
                                      strict=True)))
             raise CollectiveMismatchError(
-                "ranks called different collectives:\n" + "\n".join(rows), op=op.label, ranks=odd
-            )
+                "ranks called different collectives:\n" + _states_table(rows, self.world_size), op=op.label,
+                ranks=odd)
         bad = heads["status"] != _frame.OK
         if not bad.any():
             if self.max_bytes is not None and op is not _SETUP:  # a peer that skipped its check: refused alike
@@ -1598,6 +1604,31 @@ class Communicator(abc.ABC):
         if statuses == {_frame.SERIALIZE_FAILED}:
             raise SerializationError(what, op=op.label, ranks=ranks)
         raise CollectiveError(what, op=op.label, ranks=ranks)
+
+    def _state(self) -> str:
+        """What this rank is doing, with the user's call sites, for other ranks' error messages."""
+        raised = self._raised
+        if self._busy.locked():
+            now = f"in {self._op_label} #{self._seq} at {_where(self._site)}"
+        elif raised is not None:
+            now = f"{raised[3]} in {raised[0]} #{raised[1]} at {_where(raised[2])}"
+        else:
+            now = "not in a collective"
+        last = self._done
+        return now + ("" if last is None else f" (last returned: {last[0]} #{last[1]} at {_where(last[2])})")
+
+    def _gather_sites(self, timeout: float | None) -> list[str]:
+        """Every rank's call site for the call in progress (an error-path exchange, every rank alike)."""
+        size = 256
+        mine = _where(self._site).encode("utf-8", "replace")[: size - 2]
+        slot = bytearray(struct.pack("<H", len(mine)) + mine + bytes(size - 2 - len(mine)))
+        flat = self._allgather_slots(slot, size, timeout)
+        out = []
+        for r in range(self.world_size):
+            raw = bytes(flat[r * size : (r + 1) * size])
+            (n,) = struct.unpack_from("<H", raw)
+            out.append(raw[2 : 2 + min(n, size - 2)].decode("utf-8", "replace"))
+        return out
 
     def _full_messages(self, failed: list[tuple[int, _frame.Slot]], message: str,
                        timeout: float | None) -> dict[int, str]:
@@ -1720,6 +1751,35 @@ _COLLECTIVES = ("synchronize", "all_gather", "gather", "broadcast", "scatter", "
                 "split", "new_group", "create_local_groups")
 
 
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _where(site: tuple[str, int]) -> str:
+    return f"{os.path.basename(site[0])}:{site[1]}"
+
+
+def _spans(ranks: list[int]) -> str:
+    """'rank 3' or 'ranks 0-2, 5'."""
+    parts, i = [], 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        parts.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
+        i = j + 1
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(parts)}"
+
+
+def _states_table(states: Mapping[int, str | None], world: int) -> str:
+    """One line per distinct state, naming its ranks; ranks absent from ``states`` gave no report."""
+    groups: dict[str, list[int]] = {}
+    for r in range(world):
+        text = states.get(r)
+        groups.setdefault(text if text else "no report (not in a collective when this rank gave up, or gone)",
+                          []).append(r)
+    return "\n".join(f"  {_spans(ranks)}: {text}" for text, ranks in groups.items())
+
+
 def _exclusive(method: Callable[..., Any]) -> Callable[..., Any]:
     """Refuse a second collective on a communicator while one runs: from another thread (the two
     would interleave their messages), or from the same thread (an object's ``__setstate__`` calling
@@ -1739,8 +1799,18 @@ def _exclusive(method: Callable[..., Any]) -> Callable[..., Any]:
                 f"thread at a time (their messages would interleave): give each thread its own communicator "
                 f"(comm.split or comm.new_group), or hold a lock around the calls")
         self._busy_thread = threading.get_ident()
+        # the user's call site, for other ranks' error messages: the first frame outside distcomm
+        f: Any = sys._getframe(1)
+        while f is not None and f.f_code.co_filename.startswith(_PACKAGE_DIR):
+            f = f.f_back
+        self._site = ("?", 0) if f is None else (f.f_code.co_filename, f.f_lineno)
         try:
-            return method(self, *args, **kwargs)
+            out = method(self, *args, **kwargs)
+            self._done, self._raised = (self._op_label, self._seq, self._site), None
+            return out
+        except BaseException as e:
+            self._raised = (self._op_label, self._seq, self._site, type(e).__name__)
+            raise
         finally:
             self._busy_thread = 0
             self._busy.release()

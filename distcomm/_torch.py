@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from . import _frame
-from ._communicator import DEFAULT_SLOT_BYTES, DEFAULT_TIMEOUT, Communicator, Op, _seconds
+from ._communicator import DEFAULT_SLOT_BYTES, DEFAULT_TIMEOUT, Communicator, Op, _seconds, _states_table
 from ._errors import (
     CollectiveError,
     CollectiveTimeoutError,
@@ -352,19 +352,25 @@ class _TorchCommunicator(Communicator):
         return self._sub_settings(timeout)
 
     # ------------------------------------------------------------------ failures
-    def _reported(self, grace: float) -> list[int] | None:
-        """Write that this rank failed at this call, wait ``grace`` for the others; return who did."""
+    def _reported(self, grace: float) -> tuple[list[int], dict[int, str]] | None:
+        """Write that this rank failed at this call, and what it is doing; wait ``grace`` for the
+        others. Return who reached this call, and what each rank that failed in any call reported."""
         if self._store is None or not self._token:
             return None
         prefix = f"distcomm/{self._token}/{self._seq}/"
+        states = f"distcomm/{self._token}/state/"
         try:
+            self._store.set(states + str(self._rank), self._state())
             self._store.set(prefix + str(self._rank), "1")
             deadline = time.monotonic() + grace
             while True:
                 present = [r for r in range(self._world) if self._store.check([prefix + str(r)])]
                 if len(present) == self._world or time.monotonic() > deadline:
-                    return present
+                    break
                 time.sleep(0.05)
+            told = {r: self._store.get(states + str(r)).decode("utf-8", "replace")
+                    for r in range(self._world) if self._store.check([states + str(r)])}
+            return present, told
         except Exception:  # the store may be gone with the peer that hosted it
             return None
 
@@ -384,8 +390,11 @@ class _TorchCommunicator(Communicator):
         what = f"{self._op_label} (call #{seq})"
         self._mark_broken(f"{what}: {text[:160]}")
         grace = 2.0 if timeout is None else min(2.0, max(0.5, timeout / 4))
-        present = self._reported(grace)
+        reported = self._reported(grace)
+        present, told = (None, {}) if reported is None else reported
         missing = [] if present is None else [r for r in range(self._world) if r not in present]
+        told[self._rank] = self._state()
+        table = "\n" + _states_table(told, self._world)
         who = ""
         if missing:
             who = f"; rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} never reported reaching it"
@@ -397,17 +406,17 @@ class _TorchCommunicator(Communicator):
         closed = "closed" in low or "reset" in low or "broken pipe" in low or "connection" in low
         if timed_out and not ("closed by peer" in low and present is not None and not missing):
             raise CollectiveTimeoutError(
-                f"{what} timed out after {timeout}s waiting for its peers{who} (transport: {text[:200]})",
+                f"{what} timed out after {timeout}s waiting for its peers{who} (transport: {text[:200]}){table}",
                 ranks=missing) from exc
         if closed and present is not None and not missing:
             raise CollectiveTimeoutError(
                 f"{what}: every rank reached it, but peers gave up (their timeout expired) before this "
-                f"rank arrived (transport: {text[:200]})") from exc
+                f"rank arrived (transport: {text[:200]}){table}") from exc
         if closed:
             raise PeerError(
-                f"{what}: lost a peer (it exited or its connection closed){who} (transport: {text[:200]})",
+                f"{what}: lost a peer (it exited or its connection closed){who} (transport: {text[:200]}){table}",
                 ranks=missing) from exc
-        raise CollectiveError(f"{what} failed in the transport{who}: {text[:300]}", op=self._op_label,
+        raise CollectiveError(f"{what} failed in the transport{who}: {text[:300]}{table}", op=self._op_label,
                               ranks=missing) from exc
 
     # ------------------------------------------------------------------ construction from the environment

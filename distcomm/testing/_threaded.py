@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from .._communicator import Communicator, Op
+from .._communicator import Communicator, Op, _states_table
 from .._context import use
 from .._errors import CollectiveError, CollectiveTimeoutError, DistCommError, PeerError, RankFailedError
 
@@ -41,6 +41,7 @@ class _World:
         # exchanges a rank gave up on (it timed out): a late rank then fails as over a transport
         self.abandoned: set[tuple[str, int]] = set()
         self.cut: set[tuple[int, int]] = set()  # (sender, receiver) pairs whose receiver gave up
+        self.members: list[Communicator | None] = [None] * size  # each rank's communicator, for error messages
 
     def _wake_all(self) -> None:
         for c in self.conds:
@@ -142,6 +143,7 @@ class ThreadedCommunicator(Communicator):
         self._holding = False
         self._local = (rank, world.size)  # one machine
         self._split_gen = 0
+        world.members[rank] = self
 
     @property
     def rank(self) -> int:
@@ -164,7 +166,10 @@ class ThreadedCommunicator(Communicator):
             return fn()
         except CollectiveTimeoutError as e:
             self._mark_broken(str(e))
-            raise CollectiveTimeoutError(f"{self._op_label} (call #{self._seq}): {e}", op=self._op_label,
+            # what every rank is doing: the threads share memory, so each rank's state is read directly
+            states = {r: m._state() for r, m in enumerate(self._world.members) if m is not None}
+            raise CollectiveTimeoutError(f"{self._op_label} (call #{self._seq}): {e}\n"
+                                         f"{_states_table(states, self.world_size)}", op=self._op_label,
                                          ranks=e.ranks) from e
         finally:
             if holding:
