@@ -7,6 +7,7 @@ import functools
 import os
 import secrets
 import socket
+import threading
 import time
 from typing import Any, ClassVar, Literal, NoReturn
 
@@ -47,6 +48,31 @@ def _timedelta(seconds: float) -> datetime.timedelta:
 
 def _td(seconds: float | None) -> datetime.timedelta | None:
     return None if seconds is None else datetime.timedelta(seconds=seconds)
+
+
+def _process_id() -> tuple[str, int, int]:
+    """(boot id, PID namespace, pid): two ranks with the same first two can see each other's pid."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:  # not Linux: no liveness checks
+        return (f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(4)}", 0, os.getpid())
+    return (boot, namespace, os.getpid())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # exited, not yet reaped by its parent
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def _machine_key(machine: str | int | None) -> str:
@@ -101,6 +127,7 @@ class _TorchCommunicator(Communicator):
         except Exception:  # a store is only used to name missing ranks after a failure
             self._store = None
         self._token = ""
+        self._peer_pids: dict[int, int] = {}  # same-machine peers' pids, from set-up
         self._local_group: Any = self._group
         self._machine_key = _machine_key(machine)
         try:
@@ -132,11 +159,17 @@ class _TorchCommunicator(Communicator):
         # Set-up's slot has one size whatever the settings, so ranks whose settings differ still
         # meet in the same exchange, and every rank then refuses the difference alike.
         token = secrets.token_hex(8)
-        infos = self._run(Op.SETUP, -1, (machine, token, self._settings()), self._timeout,
+        infos = self._run(Op.SETUP, -1, (machine, token, self._settings(), _process_id()), self._timeout,
                           slot_size=_frame.HEADER_SLOT)
         self._stats.pop(Op.SETUP.label, None)  # the user never called it
         self._check_settings([info[2] for info in infos])
         self._token = infos[0][1]
+        # peers whose process this rank can see (same kernel, same PID namespace): a long wait checks
+        # that they still exist, since a dead peer's connections stay open while a process it forked
+        # (a data loader's worker) holds them, and the transport then notices nothing
+        here = _process_id()[:2]
+        self._peer_pids = {r: info[3][2] for r, info in enumerate(infos)
+                           if r != self._rank and tuple(info[3][:2]) == here}
         keys = [info[0] for info in infos]
         self._set_machines([[r for r, k in enumerate(keys) if k == key] for key in dict.fromkeys(keys)])
 
@@ -192,21 +225,83 @@ class _TorchCommunicator(Communicator):
             self._group = self._obj_group = self._local_group = self._store = None
 
     # ------------------------------------------------------------------ transport
-    def _wait(self, works: list[Any], timeout: float | None) -> None:
+    # Waits longer than a slice look, between slices, at Ctrl-C and at the peers' processes. A
+    # collective's work can be waited on again after a wait times out; a point-to-point one can't (a
+    # timed-out wait closes gloo's connection), so large point-to-point transfers are waited on by a
+    # helper thread while this one watches, and small ones (which finish at once) in one piece.
+    _SLICE = 1.0
+    _WATCHED_P2P_BYTES = 1 << 20
+    _sliced_waits = True  # NCCL: no (a timed-out wait may abort its communicator)
+
+    def _wait(self, works: list[Any], timeout: float | None, p2p_bytes: int | None = None) -> None:
         try:
-            if timeout is None:
-                for w in works:
-                    w.wait()
-            elif len(works) == 1:
-                works[0].wait(_timedelta(timeout))
+            if not self._sliced_waits or (p2p_bytes is not None and p2p_bytes < self._WATCHED_P2P_BYTES):
+                self._wait_whole(works, timeout)
+            elif p2p_bytes is not None:
+                self._wait_watched(works, timeout)
             else:
-                deadline = time.monotonic() + timeout
-                for w in works:
-                    w.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+                self._wait_sliced(works, timeout)
         except DistCommError:
             raise
         except Exception as e:
             self._fail(e, timeout)
+        except BaseException as e:  # Ctrl-C: the peers still expect this call's messages
+            self._mark_broken(f"{self._op_label} (call #{self._seq}) was interrupted ({type(e).__name__}) while "
+                              f"waiting for its peers")
+            raise
+
+    @staticmethod
+    def _wait_whole(works: list[Any], timeout: float | None) -> None:
+        if timeout is None:
+            for w in works:
+                w.wait()
+        elif len(works) == 1:
+            works[0].wait(_timedelta(timeout))
+        else:
+            deadline = time.monotonic() + timeout
+            for w in works:
+                w.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+
+    def _wait_sliced(self, works: list[Any], timeout: float | None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for w in works:
+            while True:
+                left = None if deadline is None else deadline - time.monotonic()
+                step = self._SLICE if left is None or left > self._SLICE else max(left, 0.001)
+                try:
+                    w.wait(_timedelta(step))
+                    break
+                except RuntimeError as e:  # a slice ran out ("Operation timed out!"), or the transport failed
+                    if (left is not None and left <= self._SLICE) or "timed out" not in str(e).lower():
+                        raise
+                self._check_peers()
+
+    def _wait_watched(self, works: list[Any], timeout: float | None) -> None:
+        done, failed = threading.Event(), []
+
+        def wait() -> None:
+            try:
+                self._wait_whole(works, timeout)
+            except BaseException as e:
+                failed.append(e)
+            finally:
+                done.set()
+
+        threading.Thread(target=wait, name="distcomm-wait", daemon=True).start()
+        while not done.wait(self._SLICE):
+            self._check_peers()
+        if failed:
+            raise failed[0]
+
+    def _check_peers(self) -> None:
+        gone = [(r, pid) for r, pid in self._peer_pids.items() if not _alive(pid)]
+        if gone:
+            what = f"{self._op_label} (call #{self._seq})"
+            names = ", ".join(f"rank {r} (pid {pid})" for r, pid in gone)
+            self._mark_broken(f"{what}: {names} exited")
+            raise PeerError(f"{what}: lost a peer: {names} on this machine exited while this rank waited for it "
+                            f"(its connections may stay open in a process it forked, so the transport can't tell)",
+                            op=self._op_label, ranks=[r for r, _ in gone])
 
     def _alltoall_opts(self, timeout: float | None) -> Any:
         cached = self._opts_cache
@@ -247,7 +342,7 @@ class _TorchCommunicator(Communicator):
             works += [g.send([t], dst, 0) for dst, t in sends]
         except Exception as e:
             self._fail(e, timeout)
-        self._wait(works, timeout)
+        self._wait(works, timeout, sum(t.numel() for _, t in recvs) + sum(t.numel() for _, t in sends))
 
     def _alltoallv(
         self, send: torch.Tensor, send_counts: list[int], recv: torch.Tensor, recv_counts: list[int],
@@ -328,7 +423,7 @@ class _TorchCommunicator(Communicator):
             works += [g.send([tensor], r, 1) for r in peers] if rows[me] else []
         except Exception as e:
             self._fail(e, timeout)
-        self._wait(works, timeout)
+        self._wait(works, timeout, out.numel() * out.element_size())
 
     _uneven_allgather = False  # NCCL's all-gather takes outputs of different sizes
 
@@ -502,6 +597,7 @@ class NcclCommunicator(_TorchCommunicator):
         return "nccl"
 
     _uneven_allgather = True
+    _sliced_waits = False
 
     def _device_problem(self, tensor: torch.Tensor) -> str | None:
         if tensor.device != self._device:

@@ -241,6 +241,73 @@ def test_survivors_name_a_dead_rank_0() -> None:
         assert survivor[3] < 30, survivor  # not the 600 s timeout
 
 
+def dies_leaving_a_fork(comm: distcomm.Communicator) -> Any:
+    comm.all_gather(0)
+    if comm.rank == 1:
+        if os.fork() == 0:  # like a data loader's worker: it holds rank 1's connections open
+            time.sleep(20)
+            os._exit(0)
+        os._exit(3)
+    return outcome(lambda: comm.all_gather(0, timeout=60))
+
+
+@pytest.mark.slow
+def test_a_dead_peer_whose_fork_holds_its_connections_is_noticed_in_seconds() -> None:
+    """The transport sees no closed connection (the fork holds it); the rank waiting checks that its
+    peers' processes exist between one-second slices, where it used to wait for the whole timeout."""
+    survivor, dead = spawn(dies_leaving_a_fork, 2, timeout=120, return_exceptions=True, reuse=False)
+    assert isinstance(dead, RankFailedError)
+    assert survivor[0] == "PeerError" and survivor[2] == (1,), survivor
+    assert "rank 1 (pid" in survivor[1] and "exited" in survivor[1], survivor
+    assert survivor[3] < 10, survivor  # about 1 s; the timeout is 60 s
+
+
+def interrupted(path: str, how: str) -> Any:
+    def fn(comm: distcomm.Communicator) -> Any:
+        if comm.rank == 1:
+            time.sleep(8)  # never takes part in the call below
+            return None
+        with open(path, "w") as f:
+            f.write(str(os.getpid()))
+        try:
+            if how == "collective":
+                comm.all_gather(0, timeout=60)
+            else:  # a large point-to-point receive that its sender never starts
+                buf = torch.empty(4 << 20, dtype=torch.uint8)
+                comm._exchange([], [(1, buf)], 60)  # type: ignore[attr-defined]
+        except KeyboardInterrupt:
+            return time.time(), outcome(lambda: comm.all_gather(1))
+        return "no interrupt"
+
+    return fn
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["collective", "point-to-point"])
+def test_ctrl_c_while_waiting_for_a_peer_raises_within_about_a_second(how: str, tmp_path: Path) -> None:
+    import signal
+    import threading
+
+    pid_file = tmp_path / "pid"
+    sent: list[float] = []
+
+    def interrupt() -> None:
+        deadline = time.monotonic() + 60
+        while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.5)  # rank 0 is waiting now
+        sent.append(time.time())
+        os.kill(int(pid_file.read_text()), signal.SIGINT)
+
+    thread = threading.Thread(target=interrupt)
+    thread.start()
+    out = spawn(interrupted(str(pid_file), how), 2, timeout=120, reuse=False)
+    thread.join()
+    caught, after = out[0]
+    assert caught - sent[0] < 3.0, caught - sent[0]  # within a slice (1 s), plus a loaded machine's slack
+    assert after[0] == "CommunicatorStateError" and "interrupted (KeyboardInterrupt)" in after[1], after
+
+
 def test_run_threaded_releases_everyone_when_a_rank_raises() -> None:
     def fn(comm: distcomm.Communicator) -> Any:
         if comm.rank == 2:
