@@ -56,7 +56,7 @@ from ._errors import (
     SerializationError,
 )
 from ._ops import FoldError, fold_objects, fold_tensors, object_op, tensor_op, tensor_problem
-from ._serialization import _CUDA_TARGET, Serializer, default_serializer
+from ._serialization import _CUDA_TARGET, Serializer, default_serializer, failure_text
 
 __all__ = ["DEFAULT_TIMEOUT", "Communicator", "OpStats"]
 
@@ -1007,7 +1007,7 @@ class Communicator(abc.ABC):
                 packed = [b"" if d == me else _frame.pack(self.serializer.dumps(o)) for d, o in enumerate(objs)]
                 status = _frame.OK
             except Exception as e:  # reported on every rank
-                status, problem = _frame.SERIALIZE_FAILED, f"{type(e).__name__}: {e}"
+                status, problem = _frame.SERIALIZE_FAILED, failure_text(self.serializer, list(objs), e, "objs")
         if status == _frame.OK and self.max_bytes is not None:
             total = sum(len(p) for p in packed)
             if total > self.max_bytes:
@@ -1250,7 +1250,9 @@ class Communicator(abc.ABC):
                 return [], _frame.OK, ""
             return [self.serializer.dumps(obj)], _frame.OK, ""
         except Exception as e:  # any failure of user objects' pickling is reported on every rank
-            return [], _frame.SERIALIZE_FAILED, f"{type(e).__name__}: {e}"
+            if op is _SCATTER:
+                return [], _frame.SERIALIZE_FAILED, failure_text(self.serializer, list(obj), e, "objs")
+            return [], _frame.SERIALIZE_FAILED, failure_text(self.serializer, obj, e)
 
     def _build_slot(
         self, op: Op, seq: int, root: int, digest: int, parts: list[list[memoryview]], size: int

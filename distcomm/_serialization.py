@@ -225,6 +225,47 @@ class SafeSerializer(PickleSerializer):
         return f"SafeSerializer(allow={names})"
 
 
+def failure_text(serializer: Serializer, obj: Any, error: Exception, name: str = "obj") -> str:
+    """``error`` as a message, with where in ``obj`` the first value ``serializer`` can't handle sits
+    (``obj['cfg'].loader[2]``). Found by serializing the parts again: error paths only."""
+    text = f"{type(error).__name__}: {error}"
+    budget = [2000]  # serializations at most, so that a huge object can't make the error path slow
+
+    def fails(value: Any) -> bool:
+        budget[0] -= 1
+        try:
+            serializer.dumps(value)
+        except Exception:
+            return True
+        return False
+
+    def parts(value: Any) -> list[tuple[str, Any]]:
+        if isinstance(value, dict):
+            return [(f"[{k!r}]", v) for k, v in value.items()] + [(f" (a key: {k!r:.40})", k) for k in value]
+        if isinstance(value, (list, tuple)):
+            return [(f"[{i}]", v) for i, v in enumerate(value)]
+        if isinstance(value, (set, frozenset)):
+            return [(f" (an element: {v!r:.40})", v) for v in value]
+        attrs = getattr(value, "__dict__", None)
+        if isinstance(attrs, dict):
+            return [(f".{k}", v) for k, v in attrs.items()]
+        return []
+
+    path, value = name, obj
+    for _ in range(64):
+        for label, child in parts(value):
+            if budget[0] <= 0:
+                break
+            if fails(child):
+                path, value = path + label, child
+                break
+        else:
+            break
+    if path == name:
+        return text
+    return f"{text} (at {path}, a {type(value).__module__}.{type(value).__qualname__})"
+
+
 def default_serializer() -> Serializer:
     """The serializer named by DISTCOMM_SERIALIZER ("pickle", the default, or "safe")."""
     choice = os.environ.get("DISTCOMM_SERIALIZER", "pickle").strip().lower()

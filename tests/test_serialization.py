@@ -410,3 +410,30 @@ def test_fuzzed_safe_loads_build_only_allowlisted_types_within_the_allocation_bo
                          timeout=300)
     assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])
     assert "0 failures" in out.stdout
+
+
+class _Config:
+    def __init__(self, handle: Any) -> None:
+        self.name = "run"
+        self.loader = [1, 2, handle]
+
+
+def _sends_a_config(comm: distcomm.Communicator) -> Any:
+    with open(os.devnull) as handle:
+        obj = {"cfg": _Config(handle)} if comm.rank == 1 else {"cfg": None}
+        try:
+            comm.all_gather(obj)
+        except distcomm.SerializationError as e:
+            return str(e)
+    return "no error"
+
+
+def test_a_serialization_error_says_where_the_value_sits_in_the_object() -> None:
+    """Every rank reads the path to the value that can't travel, and its type."""
+    for msg in run_threaded(_sends_a_config, 2, timeout=60):
+        assert "rank 1: PicklingError: can't send a _io.TextIOWrapper" in msg, msg
+        assert "(at obj['cfg'].loader[2], a _io.TextIOWrapper)" in msg, msg
+    comm = FakeCommunicator(rank=0, world_size=3)
+    with open(os.devnull) as handle, pytest.raises(distcomm.SerializationError,
+                                                   match=r"at objs\[2\]\['f'\], a _io.TextIOWrapper"):
+        comm.scatter([1, 2, {"f": handle}])
