@@ -105,10 +105,17 @@ def _for_group(group: Any) -> Communicator:
     # collectively by every member of that group on first use.
     sub = comm._children.get(group)
     if sub is None:
-        from ._torch import GlooCommunicator
+        import torch.distributed as dist
 
-        sub = comm._children[group] = GlooCommunicator(group, timeout=comm.timeout, serializer=comm.serializer,
-                                                       max_bytes=comm.max_bytes)
+        from ._torch import GlooCommunicator, NcclCommunicator
+
+        kwargs: dict[str, Any] = {"timeout": comm.timeout, "serializer": comm.serializer, "max_bytes": comm.max_bytes}
+        if "nccl" in str(dist.get_backend(group)).lower():  # its tensor collectives run where the group runs
+            device = getattr(comm, "device", None)
+            sub = NcclCommunicator(group, device=device if getattr(device, "type", "") == "cuda" else None, **kwargs)
+        else:
+            sub = GlooCommunicator(group, **kwargs)
+        comm._children[group] = sub
     return sub
 
 

@@ -236,6 +236,22 @@ def test_gloo_subgroup_and_machine_names() -> None:
     assert spawn(fn, 3, timeout=120) == [None, (0, 2, 0, 1, [1, 2]), (1, 2, 0, 1, [1, 2])]
 
 
+def test_module_helpers_over_another_gloo_group() -> None:
+    """``group=`` a torch group: a communicator of the group's backend, kept by the active one."""
+    def fn(comm: distcomm.Communicator) -> object:
+        import torch.distributed as dist
+
+        pair = dist.new_group([0, 2])
+        out: object = None
+        if comm.rank in (0, 2):
+            out = (distcomm.all_gather(comm.rank, group=pair), type(comm._children[pair]).__name__)
+        comm.synchronize()
+        return out
+
+    assert spawn(fn, 3, timeout=120, reuse=False) == [([0, 2], "GlooCommunicator"), None,
+                                                      ([0, 2], "GlooCommunicator")]
+
+
 def test_spawn_reuses_a_world_only_while_it_is_intact() -> None:
     import os as _os
 

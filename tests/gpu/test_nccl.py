@@ -68,3 +68,19 @@ def test_nccl_bad_device() -> None:
             return str(e)
 
     assert all("does not exist" in msg for msg in spawn(fn, 1, backend="nccl", timeout=120))
+
+
+def helper_over_an_nccl_group(comm: distcomm.Communicator) -> Any:
+    import torch.distributed as dist
+
+    group = dist.new_group(list(range(comm.world_size)), backend="nccl")
+    got = distcomm.all_gather({"r": comm.rank}, group=group)
+    child = comm._children[group]
+    return got, type(child).__name__, str(child.device)
+
+
+def test_module_helpers_over_an_nccl_group_use_an_nccl_communicator() -> None:
+    n = world()
+    for r, (got, kind, device) in enumerate(spawn(helper_over_an_nccl_group, n, backend="nccl", timeout=300)):
+        assert got == [{"r": i} for i in range(n)]
+        assert kind == "NcclCommunicator" and device == f"cuda:{r}"
