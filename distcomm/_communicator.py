@@ -1001,15 +1001,16 @@ class Communicator(abc.ABC):
                 raise self._alone_error(Op.ALL_TO_ALL, problem)
             return [objs[0]]
         t0 = time.perf_counter()
-        status, packed = _frame.INVALID, []
+        status, segments, lengths = _frame.INVALID, [], [0] * world
         if problem is None:
-            try:
-                packed = [b"" if d == me else _frame.pack(self.serializer.dumps(o)) for d, o in enumerate(objs)]
+            try:  # each object's segments, packed below straight into the one send buffer
+                segments = [[] if d == me else self.serializer.dumps(o) for d, o in enumerate(objs)]
+                lengths = [0 if d == me else _frame.packed_size(segs) for d, segs in enumerate(segments)]
                 status = _frame.OK
             except Exception as e:  # reported on every rank
                 status, problem = _frame.SERIALIZE_FAILED, failure_text(self.serializer, list(objs), e, "objs")
         if status == _frame.OK and self.max_bytes is not None:
-            total = sum(len(p) for p in packed)
+            total = sum(lengths)
             if total > self.max_bytes:
                 status, problem = _frame.TOO_LARGE, f"payload of {total} bytes is over max_bytes={self.max_bytes}"
         self._run(Op.ALL_TO_ALL, -1, objs, t, serialize=False, invalid=problem, invalid_status=status)
@@ -1019,7 +1020,7 @@ class Communicator(abc.ABC):
         try:
             # the sizes first: 8 bytes to and from each peer (chunks lie back to back, in rank order)
             counts = [0 if d == me else 8 for d in range(world)]
-            sizes = torch.tensor([len(p) for d, p in enumerate(packed) if d != me], dtype=torch.int64)
+            sizes = torch.tensor([n for d, n in enumerate(lengths) if d != me], dtype=torch.int64)
             theirs = torch.zeros(world - 1, dtype=torch.int64)
             self._count(8 * (world - 1), 8 * (world - 1))
             self._alltoallv(sizes.view(torch.uint8), counts, theirs.view(torch.uint8), counts, t)
@@ -1030,11 +1031,16 @@ class Communicator(abc.ABC):
                     raise FrameError(f"all_to_all #{seq}: rank {src} announced {n} bytes", op="all_to_all",
                                      ranks=[src])
                 self._check_receivable(n, src, "all_to_all")
-            send = torch.frombuffer(bytearray(b"".join(packed)), dtype=torch.uint8) if any(packed) else \
-                torch.empty(0, dtype=torch.uint8)
+            send = torch.zeros(sum(lengths), dtype=torch.uint8)  # one copy of what this rank sends
+            send_view, at = _mv(send), 0
+            for d, segs in enumerate(segments):
+                if d != me:
+                    _frame.pack_into(send_view[at : at + lengths[d]], segs)
+                    at += lengths[d]
+            del segments  # the streams, now copied
             recv = torch.empty(sum(got), dtype=torch.uint8)
             self._count(send.numel(), recv.numel())
-            self._alltoallv(send, [len(p) for p in packed], recv, got, t)
+            self._alltoallv(send, lengths, recv, got, t)
         except BaseException as e:
             self._mark_broken(f"all_to_all #{seq}: {type(e).__name__} while moving data: {str(e)[:160]}")
             raise

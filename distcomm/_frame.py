@@ -252,14 +252,23 @@ def pack(segments: Sequence[memoryview]) -> bytearray:
     Each segment starts at a multiple of ALIGN bytes from the buffer's start, so a receiver whose
     buffer is aligned gets aligned segments (zero padding between them).
     """
-    sizes = [s.nbytes for s in segments]
-    offsets, total = _packed_offsets(sizes)
-    out = bytearray(total)
+    out = bytearray(packed_size(segments))
+    pack_into(memoryview(out), segments)
+    return out
+
+
+def packed_size(segments: Sequence[memoryview]) -> int:
+    """The size of ``pack(segments)``."""
+    return _packed_offsets([s.nbytes for s in segments])[1]
+
+
+def pack_into(out: memoryview, segments: Sequence[memoryview]) -> None:
+    """``pack(segments)`` written into ``out`` (exactly ``packed_size(segments)`` bytes, zeroed)."""
+    offsets, _ = _packed_offsets([s.nbytes for s in segments])
     _U32.pack_into(out, 0, len(segments))
     for i, (s, at) in enumerate(zip(segments, offsets, strict=True)):
         _I64.pack_into(out, 4 + 8 * i, s.nbytes)
         out[at : at + s.nbytes] = s.cast("B") if s.format != "B" or s.ndim != 1 else s
-    return out
 
 
 def unpack(buf: memoryview) -> list[memoryview]:
