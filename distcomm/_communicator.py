@@ -261,6 +261,21 @@ def _digest(value: Any) -> int:
     return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little")
 
 
+def _dict_problem(input_dict: Mapping[Any, Any]) -> tuple[list[Any], str | None]:
+    """reduce_dict's keys in order, and what makes the dict unfit (every rank reports it), or None."""
+    try:
+        names = sorted(input_dict.keys())
+    except TypeError as e:
+        return list(input_dict.keys()), f"keys can't be sorted: {e}"
+    for k in names:
+        v = input_dict[k]
+        if not isinstance(v, torch.Tensor):
+            return names, f"value of {k!r} is a {type(v).__name__}, not a tensor"
+    if len({input_dict[k].device for k in names}) > 1:
+        return names, "values are on different devices"
+    return names, None
+
+
 def _dict_signature(d: Mapping[Any, Any]) -> tuple[list[Any], list[tuple[int, ...]], torch.dtype]:
     """reduce_dict's sorted keys, each value's shape, and the dtype every rank reduces in."""
     names = sorted(d)
@@ -1147,18 +1162,7 @@ class Communicator(abc.ABC):
             raise TypeError(f"average must be a bool, got {type(average).__name__}")
         t = self._op_timeout(timeout)
         op = Op.REDUCE_DICT if dst is not None else Op.ALL_REDUCE_DICT
-        problem = None
-        try:
-            names = sorted(input_dict.keys())
-        except TypeError as e:
-            names, problem = list(input_dict.keys()), f"keys can't be sorted: {e}"
-        for k in names:
-            v = input_dict[k]
-            if not isinstance(v, torch.Tensor):
-                problem = f"value of {k!r} is a {type(v).__name__}, not a tensor"
-                break
-        if problem is None and len({input_dict[k].device for k in names}) > 1:
-            problem = "values are on different devices"
+        names, problem = _dict_problem(input_dict)
         if self.world_size == 1 and self._alone:
             if problem:
                 raise self._alone_error(op, problem)

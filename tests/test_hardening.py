@@ -359,3 +359,15 @@ def test_open_files_are_refused_like_any_unpicklable_value(world: str) -> None:
     for (kind, text, ranks, _), after in run(fn, 2, timeout=60):
         assert kind == "SerializationError" and tuple(ranks) == (1,) and "_io.TextIOWrapper" in text, text
         assert after == [1, 1]
+
+
+def test_fake_peers_reduce_dict_values_are_checked_as_a_real_peer_checks_its_own() -> None:
+    """A scripted peer whose dict holds a float fails the call on the rank under test with the
+    error a real peer would report (as over gloo: CollectiveError naming that rank)."""
+    def peers(op: str, r: int, obj: Any) -> Any:
+        return {"loss": 3.0} if r == 2 else obj
+
+    comm = FakeCommunicator(rank=0, world_size=3, peers=peers)
+    with pytest.raises(distcomm.CollectiveError, match="rank 2: value of 'loss' is a float, not a tensor") as info:
+        comm.all_reduce_dict({"loss": torch.tensor(1.0)})
+    assert info.value.ranks == (2,)

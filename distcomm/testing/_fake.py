@@ -19,6 +19,7 @@ from .._communicator import (
     _ROUTE,
     Communicator,
     Op,
+    _dict_problem,
     _dict_signature,
     _reduce_digest,
     _tensor_fields,
@@ -159,6 +160,9 @@ class FakeCommunicator(Communicator):
         if op in (Op.BARRIER, Op.REDUCE_DICT, Op.ALL_REDUCE_DICT):
             digest = 0
             if op is not Op.BARRIER:
+                problem = _dict_problem(self._peer_dicts[r])[1]  # a real peer would report its dict unfit
+                if problem is not None:
+                    return self._status_slot(r, _frame.INVALID, problem, size)
                 digest = _reduce_digest(*_dict_signature(self._peer_dicts[r]))
             return _frame.encode(op, seq, root, digest, [], size)
         if op in _TENSOR_OPS:
