@@ -329,7 +329,9 @@ class _AllGather(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         comm, rows = ctx.comm, ctx.rows
         total = grad.contiguous().clone()
-        comm._tensor_reduce(total, None, "sum", ctx.timeout)
+        # a collective of its own (recorded by FakeCommunicator, its peers asked as for any all_reduce);
+        # unchecked: every rank's gradient has the forward result's shape
+        comm.all_reduce(total, "sum", check=False, timeout=ctx.timeout)
         start = sum(rows[: comm.rank])
         return total[start : start + rows[comm.rank]], None, None, None
 

@@ -297,3 +297,20 @@ def _repeated_splits(comm: distcomm.Communicator) -> tuple[int, int, int]:
 def test_closed_sub_communicators_release_their_groups() -> None:
     # no group left but the default; the parent lets go of a closed child at its next split
     assert spawn(_repeated_splits, 2, timeout=120, reuse=False) == [(0, 1, 1), (0, 1, 1)]
+
+
+def test_the_backward_all_reduce_is_a_recorded_collective_for_the_fake() -> None:
+    """The gradient's all-reduce is a collective of its own: FakeCommunicator records it, and asks
+    its peers for their gradients as for any all_reduce."""
+    asked: list[str] = []
+
+    def peers(op: str, r: int, obj: Any) -> Any:
+        asked.append(op)
+        return obj
+
+    comm = FakeCommunicator(0, 2, peers=peers)
+    x = torch.ones(2, 2, requires_grad=True)
+    comm.all_gather_tensor(x).sum().backward()
+    assert [c.op for c in comm.calls] == ["all_gather_tensor", "all_reduce"]
+    assert asked[-1] == "all_reduce"
+    assert x.grad is not None and x.grad.tolist() == [[2.0, 2.0], [2.0, 2.0]]
