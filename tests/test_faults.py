@@ -6,6 +6,7 @@ world; each checks the next collective still works. Timeouts and dead peers run 
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -205,9 +206,9 @@ def test_synchronize_timeout_names_the_missing_rank_and_breaks_the_communicator(
         assert after[0] == "CommunicatorStateError" and "earlier transport failure" in after[1], after
 
 
-def dies(comm: distcomm.Communicator) -> Any:
+def dies(comm: distcomm.Communicator, victim: int = 1) -> Any:
     comm.all_gather(0)
-    if comm.rank == 1:
+    if comm.rank == victim:
         os._exit(3)
     return outcome(lambda: comm.all_gather(np.zeros(10)))
 
@@ -223,17 +224,11 @@ def test_peer_that_exits_mid_job() -> None:
     assert time.monotonic() - t0 < 60
 
 
-def rank0_dies(comm: distcomm.Communicator) -> Any:
-    comm.all_gather(0)
-    if comm.rank == 0:
-        os._exit(3)
-    return outcome(lambda: comm.all_gather(np.zeros(10)))
-
-
 @pytest.mark.slow
 def test_survivors_name_a_dead_rank_0() -> None:
     """Rank 0 hosts the store that names missing ranks; when it dies, the survivors still name it."""
-    dead, *survivors = spawn(rank0_dies, 3, timeout=120, return_exceptions=True, reuse=False)
+    dead, *survivors = spawn(functools.partial(dies, victim=0), 3, timeout=120, return_exceptions=True,
+                             reuse=False)
     assert isinstance(dead, RankFailedError) and "exited with code 3" in str(dead)
     for survivor in survivors:
         assert survivor[0] == "PeerError", survivor
