@@ -5,10 +5,12 @@ from __future__ import annotations
 import datetime
 import functools
 import os
+import queue
 import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, ClassVar, Literal, NoReturn
 
 import torch
@@ -48,6 +50,40 @@ def _timedelta(seconds: float) -> datetime.timedelta:
 
 def _td(seconds: float | None) -> datetime.timedelta | None:
     return None if seconds is None else datetime.timedelta(seconds=seconds)
+
+
+class _Waiters:
+    """Threads that wait on transport work for a caller that watches (Ctrl-C, peers' liveness):
+    kept between calls (starting a thread costs more than handing it a job); one that is stuck on a
+    wait that never ends (its communicator is broken then) is simply not reused."""
+
+    def __init__(self) -> None:
+        self._idle: list[queue.SimpleQueue[Any]] = []
+        self._lock = threading.Lock()
+
+    def run(self, fn: Callable[[], None]) -> tuple[threading.Event, list[BaseException]]:
+        with self._lock:
+            jobs = self._idle.pop() if self._idle else None
+        if jobs is None:
+            jobs = queue.SimpleQueue()
+            threading.Thread(target=self._serve, args=(jobs,), name="distcomm-wait", daemon=True).start()
+        done, failed = threading.Event(), list[BaseException]()
+        jobs.put((fn, done, failed))
+        return done, failed
+
+    def _serve(self, jobs: queue.SimpleQueue[Any]) -> None:
+        while True:
+            fn, done, failed = jobs.get()
+            try:
+                fn()
+            except BaseException as e:
+                failed.append(e)
+            done.set()
+            with self._lock:
+                self._idle.append(jobs)
+
+
+_WAITERS = _Waiters()
 
 
 def _process_id() -> tuple[str, int, int]:
@@ -277,17 +313,7 @@ class _TorchCommunicator(Communicator):
                 self._check_peers()
 
     def _wait_watched(self, works: list[Any], timeout: float | None) -> None:
-        done, failed = threading.Event(), []
-
-        def wait() -> None:
-            try:
-                self._wait_whole(works, timeout)
-            except BaseException as e:
-                failed.append(e)
-            finally:
-                done.set()
-
-        threading.Thread(target=wait, name="distcomm-wait", daemon=True).start()
+        done, failed = _WAITERS.run(lambda: self._wait_whole(works, timeout))
         while not done.wait(self._SLICE):
             self._check_peers()
         if failed:
