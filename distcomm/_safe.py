@@ -1,22 +1,36 @@
-"""The safe loader behind SafeSerializer: an allowlist, constructors bounded by what a payload
-carries, and numpy arrays and dtypes built only from plain descriptions that numpy itself checks.
+"""The safe loader behind SafeSerializer.
 
-It runs on Python's own unpickler, which lets it see each opcode: the C unpickler sizes its memo
-from the index a payload names (9 bytes can make it write 512 MiB) and allocates counted bytes
-before it reads them. Here a memo index is a dict key, counted data is read before anything is
-allocated for it, and extension codes (objects copyreg cached, outside the allowlist) are refused.
+A peer must not be able to make the loading process run code, crash, or allocate much more than
+it received. The loader is Python's own unpickler, which lets it see each opcode (the C unpickler
+sizes its memo from the index a payload names: 9 bytes can make it write 512 MiB; and it allocates
+counted bytes before reading them). On top of it:
 
-Each BUILD is checked before it applies: a dtype's state is turned into a plain description (names,
-formats, offsets, item size), numpy builds the dtype from that, and the state is accepted only if
-it is exactly the state of that dtype. A forged state (flags that hide an object field, an offset
-past the item size, a dtype changed after an array used it) is refused by name before numpy sees
-it, so reading or freeing the result can't touch memory the payload chose.
+- **Globals**: an allowlist. Each allowed constructor gets a checked version that takes only the
+  kinds of arguments honest pickles pass, carried in the payload: no counts, ranges or iterators
+  (``bytearray(1 << 30)``, ``list(range(10**9))``, ``torch.Size(range(n))``), no containers where
+  text is expected (``str`` of a structure of shared references), no nesting of types whose
+  deallocation recurses (``slice``, ``deque``).
+- **BUILD** (set an object's state) applies only to what honest pickles build: numpy dtypes and
+  arrays made here (once each) and instances of classes the user registered. Anything else (a
+  tensor's ``__setstate__``, a function's attributes) is refused.
+- **numpy**: ``numpy.dtype(...)`` makes a placeholder. Its BUILD turns the pickled state into a
+  plain description (kind, fields, offsets, item size), numpy builds a new dtype from that, and the
+  state is accepted only if it is exactly that dtype's state; the placeholder is then replaced by
+  it. Dtypes are never modified, object dtypes are refused, and an array's state is set once, on
+  an array made here, over bytes (never over another array's memory).
+- **Memo and opcodes**: memo indices must be consecutive; a placeholder can't be fetched from the
+  memo or duplicated before its state is set; extension codes (objects copyreg cached, which the
+  allowlist never sees) are refused.
+- Error messages show payload values through a bounded repr.
 """
 
 from __future__ import annotations
 
+import collections
+import datetime
 import io
 import pickle
+import reprlib
 import struct
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar, NoReturn
@@ -28,54 +42,124 @@ from ._errors import UnsafePayloadError
 
 _NP_CORE: Any = getattr(np, "_core", None) or np.core  # numpy 2 names it _core
 
-_SAFE_BUILTINS = frozenset(
-    {"dict", "list", "tuple", "set", "frozenset", "bytearray", "bytes", "complex", "slice", "range",
-     "int", "float", "str", "bool", "object"}
-)
-_SAFE_GLOBALS = frozenset(
-    {
-        ("collections", "OrderedDict"),
-        ("collections", "deque"),
-        ("collections", "Counter"),
-        ("datetime", "datetime"),
-        ("datetime", "date"),
-        ("datetime", "time"),
-        ("datetime", "timedelta"),
-        ("datetime", "timezone"),
-        ("torch", "Size"),
-        ("torch", "device"),
-        ("torch._utils", "_rebuild_parameter"),
-        ("distcomm._serialization", "_rebuild_tensor"),
-    }
-)
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 2, 60, 60, 60
+for _attr in ("maxlist", "maxtuple", "maxdict", "maxset", "maxfrozenset", "maxdeque", "maxarray"):
+    setattr(_REPR, _attr, 4)
 
-# numpy globals that numpy's own pickles name: each is replaced by a checked version.
-_NUMPY_MODULES = ("numpy", "numpy._core.multiarray", "numpy.core.multiarray", "numpy._core.numeric",
-                  "numpy.core.numeric")
-_NUMPY_NAMES = frozenset({"dtype", "ndarray", "_reconstruct", "scalar", "_frombuffer"})
 
-# What a safe payload may hand to a constructor: data it carries itself. A range, an iterator or a
-# count would let a few bytes allocate without bound (bytearray(1 << 30), list(range(10**9))).
-_CARRIED = (list, tuple, dict, set, frozenset, bytes, bytearray, str, int, float, complex, bool, type(None))
-_AMPLIFIERS = frozenset({("builtins", n) for n in ("list", "tuple", "set", "frozenset", "dict", "bytes", "bytearray")}
-                        | {("collections", n) for n in ("deque", "Counter", "OrderedDict")})
+def _show(x: Any) -> str:
+    """A payload value for an error message, in bounded time and memory."""
+    if isinstance(x, (str, bytes, bytearray, int, float, complex, bool, type(None), list, tuple, dict, set,
+                      frozenset, np.dtype)):
+        return _REPR.repr(x)
+    return f"<{type(x).__module__}.{type(x).__qualname__}>"
 
 
 def _refuse(what: str) -> NoReturn:
     raise UnsafePayloadError(f"SafeSerializer refused {what}")
 
 
-def _bounded(ctor: Callable[..., Any], name: str) -> Callable[..., Any]:
-    counts = ctor in (bytes, bytearray)  # bytes(n) and bytearray(n) allocate n bytes from one int
+# ---------------------------------------------------------------------------------- constructors
+_NUMBER = (int, float, bool)
+_TEXT = (str, bytes, bytearray)
+_CARRIED = (list, tuple, dict, set, frozenset, bytes, bytearray, str, int, float, complex, bool, type(None))
+_BUFFER = (bytes, bytearray, memoryview, pickle.PickleBuffer)
 
+
+def _args_of(*kinds: type | tuple[type, ...]) -> Callable[[Any], bool]:
+    return lambda a: isinstance(a, kinds)
+
+
+def _checked(ctor: Callable[..., Any], name: str, ok: Callable[[Any], bool], why: str,
+             also: Callable[..., str | None] | None = None) -> Callable[..., Any]:
     def build(*args: Any, **kwargs: Any) -> Any:
         for a in (*args, *kwargs.values()):
-            if not isinstance(a, _CARRIED) or (counts and isinstance(a, int)):
-                _refuse(f"{name}() of a {type(a).__name__}: a safe payload builds containers only from data it "
-                        f"carries (a count or a range could allocate without bound)")
+            if not ok(a):
+                _refuse(f"{name}() of a {type(a).__name__}: {why}")
+        if also is not None:
+            problem = also(*args, **kwargs)
+            if problem:
+                _refuse(f"{name}(): {problem}")
         return ctor(*args, **kwargs)
 
     return build
+
+
+_FROM_CARRIED = "a safe payload builds containers only from data it carries (a count, a range or an " \
+                "iterator could allocate without bound)"
+
+
+def _no_nested_deque(*args: Any, **kwargs: Any) -> str | None:
+    items = args[0] if args else ()
+    if isinstance(items, (list, tuple)) and any(isinstance(v, collections.deque) for v in items):
+        return "a deque inside a deque (freeing deeply nested ones recurses)"
+    return None
+
+
+def _sizes_only(*args: Any, **kwargs: Any) -> str | None:
+    if args and not all(isinstance(v, int) and not isinstance(v, bool) for v in args[0]):
+        return "a size must be a sequence of ints"
+    return None
+
+
+_CONSTRUCTORS: dict[tuple[str, str], tuple[Callable[[Any], bool], str, Callable[..., str | None] | None]] = {
+    **{("builtins", n): (_args_of(_CARRIED), _FROM_CARRIED, None)
+       for n in ("list", "tuple", "set", "frozenset", "dict")},
+    **{("builtins", n): (lambda a: isinstance(a, _CARRIED) and not isinstance(a, int), _FROM_CARRIED, None)
+       for n in ("bytes", "bytearray")},  # bytes(n) allocates n bytes from one int
+    ("builtins", "str"): (_args_of(_TEXT), "str() takes text (of a structure it could grow without bound)", None),
+    ("builtins", "int"): (_args_of(_NUMBER, _TEXT), "int() takes a number or text", None),
+    ("builtins", "float"): (_args_of(_NUMBER, _TEXT), "float() takes a number or text", None),
+    ("builtins", "complex"): (_args_of(_NUMBER, complex, str), "complex() takes numbers or text", None),
+    ("builtins", "bool"): (_args_of(_NUMBER), "bool() takes a number", None),
+    ("builtins", "slice"): (lambda a: a is None or (isinstance(a, int) and not isinstance(a, bool)),
+                            "slice() takes ints or None", None),
+    ("builtins", "range"): (lambda a: isinstance(a, int) and not isinstance(a, bool), "range() takes ints", None),
+    ("builtins", "object"): (lambda a: False, "object() takes nothing", None),
+    ("collections", "deque"): (_args_of(_CARRIED), _FROM_CARRIED, _no_nested_deque),
+    ("collections", "Counter"): (_args_of(_CARRIED), _FROM_CARRIED, None),
+    ("collections", "OrderedDict"): (_args_of(_CARRIED), _FROM_CARRIED, None),
+    **{("datetime", n): (_args_of(_NUMBER, _TEXT, type(None), datetime.tzinfo, datetime.timedelta),
+                         "datetime values take numbers, text and time zones", None)
+       for n in ("datetime", "date", "time", "timedelta", "timezone")},
+    ("torch", "Size"): (_args_of(list, tuple), "torch.Size() takes a list of ints", _sizes_only),
+    ("torch", "device"): (_args_of(str, int), "torch.device() takes a name and an index", None),
+}
+
+
+def _rebuild_tensor_checked(data: Any, dtype: Any, shape: Any, requires_grad: Any, was_cuda: Any) -> Any:
+    from ._serialization import _rebuild_tensor
+
+    if not isinstance(data, _BUFFER):
+        _refuse(f"a tensor over a {type(data).__name__}: its data must be bytes the payload carries")
+    if not (isinstance(shape, tuple) and all(isinstance(n, int) and not isinstance(n, bool) for n in shape)):
+        _refuse(f"a tensor of shape {_show(shape)}")
+    if not (isinstance(requires_grad, bool) and isinstance(was_cuda, bool)):
+        _refuse("a tensor whose flags aren't bools")
+    return _rebuild_tensor(data, dtype, shape, requires_grad, was_cuda)
+
+
+def _rebuild_parameter_checked(data: Any, requires_grad: Any, backward_hooks: Any) -> Any:
+    from torch._utils import _rebuild_parameter
+
+    if not isinstance(data, torch.Tensor) or not isinstance(requires_grad, bool):
+        _refuse("a parameter that isn't a tensor and a flag")
+    if not isinstance(backward_hooks, dict) or backward_hooks:
+        _refuse("a parameter with backward hooks (they would run in this process)")
+    return _rebuild_parameter(data, requires_grad, collections.OrderedDict())  # type: ignore[no-untyped-call]
+
+
+_TORCH_FUNCTIONS: dict[tuple[str, str], Callable[..., Any]] = {
+    ("distcomm._serialization", "_rebuild_tensor"): _rebuild_tensor_checked,
+    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter_checked,
+}
+
+# ---------------------------------------------------------------------------------- numpy
+_NUMPY_MODULES = ("numpy", "numpy._core.multiarray", "numpy.core.multiarray", "numpy._core.numeric",
+                  "numpy.core.numeric")
+_NUMPY_NAMES = frozenset({"dtype", "ndarray", "_reconstruct", "scalar", "_frombuffer"})
+_ALIGNED_STRUCT = 0x80  # numpy's NPY_ALIGNED_STRUCT flag: the struct was laid out with align=True
 
 
 class _ArrayType:
@@ -89,55 +173,66 @@ class _ArrayType:
 _ARRAY_TYPE = _ArrayType()
 
 
-_ALIGNED_STRUCT = 0x80  # numpy's NPY_ALIGNED_STRUCT flag: the struct was laid out with align=True
+class _DtypeSpec:
+    """What ``numpy.dtype(spec, align, copy)`` stands for until its BUILD; never seen by numpy."""
+
+    __slots__ = ("memo_at", "spec")
+
+    def __init__(self, spec: str) -> None:
+        self.spec = spec
+        self.memo_at: list[int] = []
 
 
-def _plain_state(state: Any) -> tuple[Any, ...]:
+def _real_dtype(value: Any, what: str) -> np.dtype[Any]:
+    if not isinstance(value, np.dtype):
+        _refuse(f"{what} with dtype {_show(value)}: not a numpy dtype (or one whose state isn't set yet)")
+    if value.hasobject:
+        _refuse(f"{what} of dtype {value}: object fields hold pointers, not data")
+    return value
+
+
+def _described(spec: str, state: Any) -> np.dtype[Any]:
+    """The dtype numpy builds from the plain description that ``spec`` and ``state`` give."""
     if not (isinstance(state, tuple) and len(state) in (8, 9) and state[0] in (3, 4)
             and state[1] in ("<", ">", "|", "=") and all(isinstance(v, int) for v in state[5:8])):
-        _refuse(f"a numpy dtype state that numpy doesn't write: {state!r:.200}")
-    return state
-
-
-def _dtype_from(inst: np.dtype[Any], state: tuple[Any, ...]) -> np.dtype[Any]:
-    """The dtype numpy builds from the plain description that `state` gives (a state numpy wrote
-    is exactly that dtype's state)."""
+        _refuse(f"a numpy dtype state that numpy doesn't write: {_show(state)}")
     endian, sub, names, fields, elsize = state[1:6]
     if sub is not None:
-        if not (isinstance(sub, tuple) and len(sub) == 2 and isinstance(sub[0], np.dtype)
-                and isinstance(sub[1], tuple) and all(isinstance(n, int) and n >= 0 for n in sub[1])):
-            _refuse(f"a numpy subarray description {sub!r:.200}")
-        return np.dtype((sub[0], sub[1]))
+        if not (isinstance(sub, tuple) and len(sub) == 2 and isinstance(sub[1], tuple)
+                and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sub[1])):
+            _refuse(f"a numpy subarray description {_show(sub)}")
+        return np.dtype((_real_dtype(sub[0], "a numpy subarray"), sub[1]))
     if names is not None or fields is not None:
         if not (isinstance(names, tuple) and isinstance(fields, dict) and all(isinstance(n, str) for n in names)):
             _refuse("a numpy structured dtype whose names and fields aren't a tuple of str and a dict")
-        spec: dict[str, list[Any]] = {"names": [], "formats": [], "offsets": [], "titles": []}
+        described: dict[str, Any] = {"names": [], "formats": [], "offsets": [], "titles": [], "itemsize": elsize}
         for n in names:
             field = fields.get(n)
-            if not (isinstance(field, tuple) and len(field) in (2, 3) and isinstance(field[0], np.dtype)
-                    and isinstance(field[1], int) and (len(field) == 2 or isinstance(field[2], str))):
-                _refuse(f"numpy field {n!r}: {field!r:.200} is not (dtype, offset[, title])")
-            spec["names"].append(n)
-            spec["formats"].append(field[0])
-            spec["offsets"].append(field[1])
-            spec["titles"].append(field[2] if len(field) == 3 else None)
-        aligned = bool(state[7] & _ALIGNED_STRUCT)
-        return np.dtype({**spec, "itemsize": elsize}, align=aligned)  # type: ignore[call-overload,no-any-return]
-    if inst.kind in "mM" and len(state) == 9:
+            if not (isinstance(field, tuple) and len(field) in (2, 3) and isinstance(field[1], int)
+                    and (len(field) == 2 or isinstance(field[2], str))):
+                _refuse(f"numpy field {n!r}: {_show(field)} is not (dtype, offset[, title])")
+            described["names"].append(n)
+            described["formats"].append(_real_dtype(field[0], f"numpy field {n!r}"))
+            described["offsets"].append(field[1])
+            described["titles"].append(field[2] if len(field) == 3 else None)
+        return np.dtype(described, align=bool(state[7] & _ALIGNED_STRUCT))  # type: ignore[call-overload,no-any-return]
+    base = np.dtype(spec)
+    if base.kind in "mM" and len(state) == 9:
         meta = state[8]
         if not (isinstance(meta, tuple) and len(meta) == 2 and isinstance(meta[1], tuple) and len(meta[1]) == 4
                 and isinstance(meta[1][0], bytes) and len(meta[1][0]) <= 3 and isinstance(meta[1][1], int)):
-            _refuse(f"numpy datetime metadata {meta!r:.200}")
-        unit, count = meta[1][0].decode("ascii", "replace"), meta[1][1]
-        inst = np.dtype(f"{inst.char}8[{count}{unit}]")
-    return inst.newbyteorder(endian) if endian in "<>" else inst
+            _refuse(f"numpy datetime metadata {_show(meta)}")
+        base = np.dtype(f"{base.char}8[{meta[1][1]}{meta[1][0].decode('ascii', 'replace')}]")
+    return base.newbyteorder(endian) if endian in "<>" else base
 
 
+# ---------------------------------------------------------------------------------- the loader
 class _Loader(pickle._Unpickler):
-    """Python's unpickler with an allowlist, bounded constructors, and checked numpy."""
+    """Python's unpickler with the checks above."""
 
     dispatch: ClassVar[dict[int, Callable[..., None]]] = dict(pickle._Unpickler.dispatch)
     stack: list[Any]  # the unpickler's own, set as it loads
+    metastack: list[Any]
     read: Callable[[int], bytes]
     readline: Callable[[], bytes]
     append: Callable[[Any], None]
@@ -146,106 +241,16 @@ class _Loader(pickle._Unpickler):
         super().__init__(file, buffers=buffers)
         self._file = file
         self._allowed = allowed
-        self._unbuilt: dict[int, np.dtype[Any]] = {}  # dtypes made here whose state is still to come
+        self._specs: list[_DtypeSpec] = []  # placeholders whose state is still to come
+        self._fresh: dict[int, np.ndarray[Any, Any]] = {}  # arrays made here whose state is still to come
         self.memo: list[Any] = []  # indices are positions: 8 bytes an entry
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module in _NUMPY_MODULES and name in _NUMPY_NAMES:
-            return self._numpy(name)
-        if (module, name) in _AMPLIFIERS and (module, name) not in self._allowed:
-            return _bounded(super().find_class(module, name), f"{module}.{name}")
-        if module == "builtins" and name in _SAFE_BUILTINS:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        if (module, name) in _SAFE_GLOBALS or (module, name) in self._allowed:
-            return super().find_class(module, name)
-        _refuse(f"to load global {module}.{name}: it is not on the allowlist "
-                f"(register it with SafeSerializer(allow=[...]) if it is trusted)")
-
-    def _numpy(self, name: str) -> Any:
-        return {"dtype": self._dtype, "ndarray": _ARRAY_TYPE, "_reconstruct": self._reconstruct,
-                "scalar": self._scalar, "_frombuffer": self._frombuffer}[name]
-
-    def _use(self, dtype: Any, what: str) -> np.dtype[Any]:
-        """A dtype some array or field now depends on: plain data only, and its state final."""
-        if not isinstance(dtype, np.dtype):
-            _refuse(f"{what} with dtype {dtype!r:.80}: not a numpy dtype")
-        self._unbuilt.pop(id(dtype), None)
-        if dtype.hasobject:
-            _refuse(f"{what} of dtype {dtype}: object fields hold pointers, not data")
-        return dtype
-
-    def _dtype(self, spec: Any, align: Any = False, copy: Any = True) -> np.dtype[Any]:
-        if not isinstance(spec, str) or len(spec) > 32:
-            _refuse(f"numpy.dtype({spec!r:.80}): a safe payload names a dtype by its type string")
-        try:
-            made = np.dtype(spec, bool(align), True)  # always a new dtype, never numpy's shared float64
-        except (TypeError, ValueError) as e:
-            raise UnsafePayloadError(f"SafeSerializer refused numpy.dtype({spec!r}): {e}") from e
-        if made.hasobject:
-            _refuse(f"numpy.dtype({spec!r}): object dtypes hold pointers, not data")
-        self._unbuilt[id(made)] = made
-        return made
-
-    def _reconstruct(self, subtype: Any, shape: Any, dtype: Any) -> Any:
-        # numpy's own pickles call _reconstruct(ndarray, (0,), b'b') and then set the state, whose data the
-        # payload carries; any other shape would allocate from the shape alone.
-        if subtype is not _ARRAY_TYPE or shape != (0,) or not isinstance(dtype, (bytes, str)):
-            _refuse(f"numpy _reconstruct({subtype!r}, {shape!r:.80}, {dtype!r:.80}): only numpy's own "
-                    f"empty-then-filled form is allowed")
-        try:
-            made = np.ndarray.__new__(np.ndarray, (0,), dtype)  # type: ignore[arg-type]
-        except (TypeError, ValueError) as e:
-            raise UnsafePayloadError(f"SafeSerializer refused a numpy array of dtype {dtype!r:.80}: {e}") from e
-        self._use(made.dtype, "a numpy array")
-        return made
-
-    def _scalar(self, dtype: Any, data: Any) -> Any:
-        return _NP_CORE.multiarray.scalar(self._use(dtype, "a numpy scalar"), data)
-
-    def _frombuffer(self, buf: Any, dtype: Any, shape: Any, order: Any) -> Any:
-        return _NP_CORE.numeric._frombuffer(buf, self._use(dtype, "a numpy array"), shape, order)
-
-    def load_build(self) -> None:
-        state, inst = self.stack[-1], self.stack[-2]
-        if isinstance(inst, np.dtype):
-            if self._unbuilt.pop(id(inst), None) is not inst:
-                _refuse(f"to change numpy dtype {inst} after it was built or used")
-            state = _plain_state(state)
-            try:
-                made = self._use(_dtype_from(inst, state), "a numpy dtype")
-            except (TypeError, ValueError) as e:
-                raise UnsafePayloadError(f"SafeSerializer refused numpy dtype state {state!r:.200}: {e}") from e
-            if made.__reduce__()[2] != state:
-                _refuse(f"numpy dtype state {state!r:.200}: it isn't the state numpy gives the dtype it describes "
-                        f"(flags, sizes or offsets that don't match)")
-            self.stack.pop()
-            inst.__setstate__(made.__reduce__()[2])  # type: ignore[attr-defined]
-            return
-        if isinstance(inst, np.ndarray):
-            if not (isinstance(state, tuple) and len(state) == 5):
-                _refuse(f"numpy array state {state!r:.80}")
-            self._use(state[2], "a numpy array")
-        super().load_build()  # type: ignore[misc]
-
-    dispatch[pickle.BUILD[0]] = load_build
-
-    def load_bytearray8(self) -> None:
-        (size,) = struct.unpack("<Q", self.read(8))
-        data = self.read(size)  # what is there, not what the count says
-        if len(data) != size:
-            raise pickle.UnpicklingError(f"BYTEARRAY8 of {size} bytes, {len(data)} left in the stream")
-        self.append(bytearray(data))
-
-    dispatch[pickle.BYTEARRAY8[0]] = load_bytearray8
 
     def load(self) -> Any:
         """Python's load loop, reading the in-memory stream directly: a FRAME only announces how
         much follows, which a stream already in memory doesn't need."""
         file = self._file
         self.read, self.readinto, self.readline = file.read, file.readinto, file.readline
-        self.metastack: list[Any] = []
+        self.metastack = []
         self.stack = []
         self.append = self.stack.append
         self.proto = 0
@@ -257,46 +262,172 @@ class _Loader(pickle._Unpickler):
                     raise EOFError("the pickle stream ended before its STOP")
                 dispatch[key[0]](self)
         except pickle._Stop as stop:  # type: ignore[attr-defined]
+            if self._specs:
+                _refuse("a numpy dtype whose state never came")
             return stop.value
 
+    # ------------------------------------------------------------------ globals
+    def find_class(self, module: str, name: str) -> Any:
+        key = (module, name)
+        if module in _NUMPY_MODULES and name in _NUMPY_NAMES:
+            return {"dtype": self._dtype, "ndarray": _ARRAY_TYPE, "_reconstruct": self._reconstruct,
+                    "scalar": self._scalar, "_frombuffer": self._frombuffer}[name]
+        if key in self._allowed:
+            return super().find_class(module, name)
+        if key in _CONSTRUCTORS:
+            ok, why, also = _CONSTRUCTORS[key]
+            return _checked(super().find_class(module, name), f"{module}.{name}", ok, why, also)
+        if key in _TORCH_FUNCTIONS:
+            return _TORCH_FUNCTIONS[key]
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        _refuse(f"to load global {module}.{name}: it is not on the allowlist "
+                f"(register it with SafeSerializer(allow=[...]) if it is trusted)")
+
+    def _dtype(self, spec: Any, align: Any = False, copy: Any = True) -> _DtypeSpec:
+        if not isinstance(spec, str) or len(spec) > 32:
+            _refuse(f"numpy.dtype({_show(spec)}): a safe payload names a dtype by its type string")
+        try:
+            made = np.dtype(spec)
+        except (TypeError, ValueError) as e:
+            raise UnsafePayloadError(f"SafeSerializer refused numpy.dtype({spec!r}): {e}") from e
+        _real_dtype(made, f"numpy.dtype({spec!r})")
+        placeholder = _DtypeSpec(spec)
+        self._specs.append(placeholder)
+        return placeholder
+
+    def _reconstruct(self, subtype: Any, shape: Any, dtype: Any) -> Any:
+        # numpy's own pickles call _reconstruct(ndarray, (0,), b'b') and then set the state, whose data the
+        # payload carries; any other shape would allocate from the shape alone.
+        if subtype is not _ARRAY_TYPE or shape != (0,) or dtype != b"b":
+            _refuse(f"numpy _reconstruct({_show(subtype)}, {_show(shape)}, {_show(dtype)}): only numpy's own "
+                    f"empty-then-filled form is allowed")
+        made = np.ndarray.__new__(np.ndarray, (0,), "b")
+        self._fresh[id(made)] = made
+        return made
+
+    def _scalar(self, dtype: Any, data: Any) -> Any:
+        if not isinstance(data, bytes):
+            _refuse(f"a numpy scalar over a {type(data).__name__}: its data must be bytes")
+        return _NP_CORE.multiarray.scalar(_real_dtype(dtype, "a numpy scalar"), data)
+
+    def _frombuffer(self, buf: Any, dtype: Any, shape: Any, order: Any) -> Any:
+        if not isinstance(buf, _BUFFER):
+            _refuse(f"a numpy array over a {type(buf).__name__}: its data must be bytes the payload carries")
+        if not (isinstance(shape, tuple) and all(isinstance(n, int) and not isinstance(n, bool) for n in shape)
+                and order in ("C", "F")):
+            _refuse(f"a numpy array of shape {_show(shape)}, order {_show(order)}")
+        return _NP_CORE.numeric._frombuffer(buf, _real_dtype(dtype, "a numpy array"), shape, order)
+
+    # ------------------------------------------------------------------ BUILD
+    def load_build(self) -> None:
+        state, inst = self.stack[-1], self.stack[-2]
+        if type(inst) is _DtypeSpec:
+            self.stack.pop()
+            self._build_dtype(inst, state)
+            return
+        if isinstance(inst, np.ndarray):
+            if self._fresh.pop(id(inst), None) is not inst:
+                _refuse("to set the state of a numpy array twice, or of one not made by numpy's own form")
+            if not (isinstance(state, tuple) and len(state) == 5 and isinstance(state[4], _BUFFER)):
+                _refuse(f"numpy array state {_show(state)}: its data must be bytes")
+            _real_dtype(state[2], "a numpy array")
+            super().load_build()  # type: ignore[misc]
+            return
+        cls = type(inst)
+        if (cls.__module__, cls.__qualname__) not in self._allowed:
+            _refuse(f"to set the state of a {cls.__module__}.{cls.__qualname__}: only numpy's and registered "
+                    f"classes' states are set")
+        super().load_build()  # type: ignore[misc]
+
+    dispatch[pickle.BUILD[0]] = load_build
+
+    def _build_dtype(self, placeholder: _DtypeSpec, state: Any) -> None:
+        try:
+            made = _described(placeholder.spec, state)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise UnsafePayloadError(f"SafeSerializer refused numpy dtype state {_show(state)}: {e}") from e
+        made = _real_dtype(made, "a numpy dtype")
+        reduced: Any = made.__reduce__()
+        if reduced[1][0] != placeholder.spec or reduced[2] != state:
+            _refuse(f"numpy.dtype({placeholder.spec!r}) with state {_show(state)}: not the state numpy gives the "
+                    f"dtype it describes (kind, flags, sizes or offsets that don't match)")
+        self._specs.remove(placeholder)
+        self.stack[-1] = made  # the placeholder is replaced wherever it was kept
+        for i in placeholder.memo_at:
+            self.memo[i] = made
+
+    # ------------------------------------------------------------------ memo, copies
+    def _store(self, index: int) -> None:
+        value = self.stack[-1]
+        if index == len(self.memo):
+            self.memo.append(value)
+        elif 0 <= index < len(self.memo):
+            self.memo[index] = value
+        else:
+            raise pickle.UnpicklingError(f"memo index {index} past the {len(self.memo)} objects stored so far")
+        if type(value) is _DtypeSpec:
+            value.memo_at.append(index)
+
+    def load_memoize(self) -> None:
+        self._store(len(self.memo))
+
+    def load_put(self) -> None:
+        self._store(int(self.readline()[:-1]))
+
+    def load_binput(self) -> None:
+        self._store(self.read(1)[0])
+
+    def load_long_binput(self) -> None:
+        self._store(struct.unpack("<I", self.read(4))[0])
+
+    def _fetch(self, index: int) -> None:
+        if not 0 <= index < len(self.memo):
+            raise pickle.UnpicklingError(f"memo index {index} was never stored")
+        value = self.memo[index]
+        if type(value) is _DtypeSpec:
+            _refuse("a second reference to a numpy dtype before its state is set")
+        self.append(value)
+
+    def load_get(self) -> None:
+        self._fetch(int(self.readline()[:-1]))
+
+    def load_binget(self) -> None:
+        self._fetch(self.read(1)[0])
+
+    def load_long_binget(self) -> None:
+        self._fetch(struct.unpack("<I", self.read(4))[0])
+
+    def load_dup(self) -> None:
+        if type(self.stack[-1]) is _DtypeSpec:
+            _refuse("a second reference to a numpy dtype before its state is set")
+        self.append(self.stack[-1])
+
+    for _op, _fn in ((pickle.MEMOIZE, load_memoize), (pickle.PUT, load_put), (pickle.BINPUT, load_binput),
+                     (pickle.LONG_BINPUT, load_long_binput), (pickle.GET, load_get), (pickle.BINGET, load_binget),
+                     (pickle.LONG_BINGET, load_long_binget), (pickle.DUP, load_dup)):
+        dispatch[_op[0]] = _fn
+
+    # ------------------------------------------------------------------ counted data, extensions
     def load_frame(self) -> None:
         self.read(8)
 
-    dispatch[pickle.FRAME[0]] = load_frame
-
-    def load_memoize(self) -> None:
-        self.memo.append(self.stack[-1])
-
-    def _put(self, index: int) -> None:
-        if index == len(self.memo):
-            self.memo.append(self.stack[-1])
-        elif 0 <= index < len(self.memo):
-            self.memo[index] = self.stack[-1]
-        else:
-            raise pickle.UnpicklingError(f"memo index {index} past the {len(self.memo)} objects stored so far")
-
-    def load_put(self) -> None:
-        self._put(int(self.readline()[:-1]))
-
-    def load_binput(self) -> None:
-        self._put(self.read(1)[0])
-
-    def load_long_binput(self) -> None:
-        self._put(struct.unpack("<I", self.read(4))[0])
-
-    dispatch[pickle.MEMOIZE[0]] = load_memoize
-    dispatch[pickle.PUT[0]] = load_put
-    dispatch[pickle.BINPUT[0]] = load_binput
-    dispatch[pickle.LONG_BINPUT[0]] = load_long_binput
+    def load_bytearray8(self) -> None:
+        (size,) = struct.unpack("<Q", self.read(8))
+        data = self.read(size)  # what is there, not what the count says
+        if len(data) != size:
+            raise pickle.UnpicklingError(f"BYTEARRAY8 of {size} bytes, {len(data)} left in the stream")
+        self.append(bytearray(data))
 
     def load_ext(self) -> None:
         _refuse("an extension code: it names an object copyreg cached, outside the allowlist")
 
-    for _op in (pickle.EXT1, pickle.EXT2, pickle.EXT4):
-        dispatch[_op[0]] = load_ext
-    del _op
+    for _op, _fn in ((pickle.FRAME, load_frame), (pickle.BYTEARRAY8, load_bytearray8), (pickle.EXT1, load_ext),
+                     (pickle.EXT2, load_ext), (pickle.EXT4, load_ext)):
+        dispatch[_op[0]] = _fn
+    del _op, _fn
 
 
 def load(stream: memoryview, buffers: Sequence[memoryview], allowed: frozenset[tuple[str, str]]) -> Any:
-    """Load a stream with the allowlist."""
+    """Load a stream with the checks above."""
     return _Loader(io.BytesIO(stream), buffers, allowed).load()

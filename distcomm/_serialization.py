@@ -19,7 +19,6 @@ import io
 import os
 import pickle
 import socket
-import warnings
 from collections import ChainMap
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -51,12 +50,9 @@ def _rebuild_tensor(
     if mv.nbytes == 0:
         flat = torch.empty(0, dtype=torch.uint8)
     else:
-        if mv.readonly:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                flat = torch.frombuffer(mv, dtype=torch.uint8)
-        else:
-            flat = torch.frombuffer(mv, dtype=torch.uint8)
+        # Read-only data (bytes from the stream, which CPython may share: every 1-byte bytes object is
+        # one object) is copied: the tensor is writable, and writing to it must not change the bytes.
+        flat = torch.frombuffer(bytearray(mv) if mv.readonly else mv, dtype=torch.uint8)
     t = flat.view(dtype).reshape(shape)
     if was_cuda:
         where = _CUDA_TARGET.get()

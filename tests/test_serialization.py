@@ -328,10 +328,13 @@ def test_a_safe_load_allocates_a_bounded_multiple_of_what_it_received() -> None:
 
 
 _FORGED = r"""
-import pickle, pickletools
+import collections, pickle, pickletools
 import numpy as np
+import torch
 import distcomm
+from distcomm._serialization import _rebuild_tensor
 from numpy.core.multiarray import _reconstruct, scalar
+from torch._utils import _rebuild_parameter
 
 class R:
     def __init__(self, fn, args, state):
@@ -355,6 +358,18 @@ def built_again(new_state):
     state = pickle.dumps(new_state, protocol=3)[2:-1]
     return stream[:-1] + b"h" + bytes([memo]) + state + b"b."
 
+def in_band(obj):  # as distcomm's own pickler writes it (tensors as _rebuild_tensor), all in the stream
+    return bytes(distcomm.PickleSerializer(oob_threshold=1 << 40).dumps(obj)[0])
+
+def array_built_twice():
+    # an array, a view of its memory, then a second BUILD that frees that memory
+    arr = R(_reconstruct, (np.ndarray, (0,), b"b"), (1, (64,), np.dtype("u1"), False, bytes(64)))
+    stream = pickle.dumps([arr], protocol=3)
+    ops = list(pickletools.genops(stream))
+    memo = next(ops[i + 1][1] for i, (op, _, _) in enumerate(ops) if op.name == "REDUCE" and i > 3)
+    state = pickle.dumps((1, (1,), np.dtype("u1"), False, b"x"), protocol=3)[2:-1]
+    return stream[:-1] + b"h" + bytes([memo]) + state + b"b."
+
 pointer = (0x41414141).to_bytes(8, "little")
 int64 = np.dtype("int64")
 payloads = {
@@ -368,7 +383,25 @@ payloads = {
     "object array": pickle.dumps(np.array([1, "a"], dtype=object), protocol=5),
     "dtype class": pickle.dumps(np.dtypes.Float64DType, protocol=5),
     "grown after use": built_again((3, "|", None, ("a",), {"a": (int64, 4088)}, 4096, 1, 16)),
+    "a float64 given a struct's state": pickle.dumps(R(np.dtype, ("f8", False, True),
+        (3, "|", None, ("x",), {"x": (int64, 4000)}, 8, 1, 16)), protocol=5),
+    "a datetime given a struct's state": pickle.dumps(R(np.dtype, ("M8", False, True),
+        (3, "|", None, ("x",), {"x": (int64, 0)}, 8, 1, 16)), protocol=5),
+    "an array built twice": array_built_twice(),
+    "nested slices": pickle.dumps(R(slice, (R(slice, (R(slice, (1,), None),), None),), None), protocol=5),
+    "nested deques": pickle.dumps(R(collections.deque, ([R(collections.deque, ([1],), None)],), None), protocol=5),
+    "a size from a range": pickle.dumps(R(torch.Size, (range(10**8),), None), protocol=5),
+    "str of a structure": pickle.dumps(R(str, ([[1] * 3] * 3,), None), protocol=5),
+    "a tensor's state": in_band(R(_rebuild_tensor, (b"", torch.uint8, (0,), False, False),
+                                  (torch.empty(0), 0, (2**30,), (1,)))),
+    "a function's state": pickle.dumps(R(torch.Size, ([1],), {"x": 1}), protocol=5),
+    "a parameter with hooks": in_band(R(_rebuild_parameter, (torch.ones(1), False,
+                                                             collections.OrderedDict(a=int)), None)),
 }
+tensor = distcomm.SafeSerializer().loads([memoryview(pickle.dumps(
+    R(_rebuild_tensor, (b"A", torch.uint8, (1,), False, False), None), protocol=5))])
+tensor.add_(1)
+print("b'A' still reads:", b"A".decode())
 for name, raw in payloads.items():
     try:
         got = distcomm.SafeSerializer().loads([memoryview(raw)])
@@ -381,9 +414,11 @@ print("float64 still plain:", np.dtype("f8").flags == 0 and not np.dtype("f8").h
 
 def test_safe_loads_refuse_forged_numpy_dtypes_and_object_arrays() -> None:
     """A dtype state that hides an object field behind zero flags, claims a reference count, puts a
-    field past the item size, rewrites numpy's shared float64 or grows a dtype an array already uses
-    would make reading (or freeing) the result touch memory the peer chose. Each is refused by name.
-    It runs in a child process: a miss is a segfault."""
+    field past the item size, rewrites numpy's shared float64, grows a dtype an array already uses or
+    gives one kind another kind's layout; an array whose memory is freed under a view; nested slices
+    or deques whose freeing recurses; a size from a range, str() of shared references, a tensor's or
+    a function's state, hooks on a parameter: each would crash, read memory the peer chose, allocate
+    without bound or change this process. Each is refused by name. In a child: a miss may segfault."""
     import subprocess
     import sys
 
@@ -392,9 +427,13 @@ def test_safe_loads_refuse_forged_numpy_dtypes_and_object_arrays() -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     assert "LOADED" not in out.stdout, out.stdout
     for name in ("hidden object field", "refcounted raw bytes", "offset past the item size", "numpy's shared float64",
-                 "object scalar", "object array", "dtype class", "grown after use"):
+                 "object scalar", "object array", "dtype class", "grown after use", "a float64 given a struct's state",
+                 "a datetime given a struct's state", "an array built twice", "nested slices", "nested deques",
+                 "a size from a range", "str of a structure", "a tensor's state", "a function's state",
+                 "a parameter with hooks"):
         assert f"{name} refused: SafeSerializer refused" in out.stdout, out.stdout
     assert "float64 still plain: True" in out.stdout
+    assert "b'A' still reads: A" in out.stdout  # a writable tensor over the stream's bytes would change it
 
 
 def test_fuzzed_safe_loads_build_only_allowlisted_types_within_the_allocation_bound() -> None:
