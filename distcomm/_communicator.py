@@ -425,7 +425,7 @@ class Communicator(abc.ABC):
         # where the user called the collective in progress (file, line), and the last one that returned
         self._site: tuple[str, int] = ("", 0)
         self._done: tuple[str, int, tuple[str, int]] | None = None
-        self._raised: tuple[str, int, tuple[str, int], str] | None = None  # the last call, if it raised
+        self._raised: tuple[str, int | None, tuple[str, int], str] | None = None  # the last call, if it raised
 
     # ------------------------------------------------------------------ identity
     @property
@@ -1025,7 +1025,8 @@ class Communicator(abc.ABC):
                 lengths = [0 if d == me else _frame.packed_size(segs) for d, segs in enumerate(segments)]
                 status = _frame.OK
             except Exception as e:  # reported on every rank
-                status, problem = _frame.SERIALIZE_FAILED, failure_text(self.serializer, list(objs), e, "objs")
+                sent = [None if d == me else o for d, o in enumerate(objs)]  # this rank's own entry stays here
+                status, problem = _frame.SERIALIZE_FAILED, failure_text(self.serializer, sent, e, "objs")
         if status == _frame.OK and self.max_bytes is not None:
             total = sum(lengths)
             if total > self.max_bytes:
@@ -1625,7 +1626,8 @@ class Communicator(abc.ABC):
         if self._busy.locked():
             now = f"in {self._op_label} #{self._seq} at {_where(self._site)}"
         elif raised is not None:
-            now = f"{raised[3]} in {raised[0]} #{raised[1]} at {_where(raised[2])}"
+            number = "(before its first exchange)" if raised[1] is None else f"#{raised[1]}"
+            now = f"{raised[3]} in {raised[0]} {number} at {_where(raised[2])}"
         else:
             now = "not in a collective"
         last = self._done
@@ -1818,12 +1820,15 @@ def _exclusive(method: Callable[..., Any]) -> Callable[..., Any]:
         while f is not None and f.f_code.co_filename.startswith(_PACKAGE_DIR):
             f = f.f_back
         self._site = ("?", 0) if f is None else (f.f_code.co_filename, f.f_lineno)
+        entry = self._seq
         try:
             out = method(self, *args, **kwargs)
             self._done, self._raised = (self._op_label, self._seq, self._site), None
             return out
         except BaseException as e:
-            self._raised = (self._op_label, self._seq, self._site, type(e).__name__)
+            reached = self._seq != entry  # or it failed before its first exchange (bad input)
+            self._raised = (self._op_label if reached else method.__name__, self._seq if reached else None,
+                            self._site, type(e).__name__)
             raise
         finally:
             self._busy_thread = 0

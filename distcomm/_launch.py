@@ -158,14 +158,16 @@ def launch(
     assert dist_url is not None
     payload = cloudpickle.dumps((main_func, tuple(args)))
     first = machine_rank * num_processes_per_machine
-    context = mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
-        _worker,
-        args=(payload, num_processes_per_machine, num_machines, machine_rank, dist_url, backend, seconds, os.getpid()),
-        nprocs=num_processes_per_machine,
-        join=False,
-        start_method="spawn",
-    )
+    context = None
     try:
+        context = mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
+            _worker,
+            args=(payload, num_processes_per_machine, num_machines, machine_rank, dist_url, backend, seconds,
+                  os.getpid()),
+            nprocs=num_processes_per_machine,
+            join=False,
+            start_method="spawn",
+        )
         # Join in one-second slices, so that Ctrl-C (or SIGINT sent to this process alone) is seen at
         # once; on every way out, processes still running are ended.
         while not context.join(1.0):
@@ -180,5 +182,6 @@ def launch(
         rank = first + e.error_index
         how = f"was killed by {e.signal_name}" if e.signal_name else f"exited with code {e.exit_code}"
         raise RankFailedError(f"rank {rank} (pid {e.error_pid}) {how} before main_func returned", rank=rank) from None
-    finally:
-        _end(context.processes)
+    finally:  # (processes started before an interrupt inside start_processes die with this one: PDEATHSIG)
+        if context is not None:
+            _end(context.processes)

@@ -227,12 +227,12 @@ def failure_text(serializer: Serializer, obj: Any, error: Exception, name: str =
     text = f"{type(error).__name__}: {error}"
     budget = [2000]  # serializations at most, so that a huge object can't make the error path slow
 
-    def fails(value: Any) -> bool:
+    def fails(value: Any) -> bool:  # with the same kind of error: a part that fails otherwise is not it
         budget[0] -= 1
         try:
             serializer.dumps(value)
-        except Exception:
-            return True
+        except Exception as e:
+            return type(e) is type(error)
         return False
 
     def parts(value: Any) -> list[tuple[str, Any]]:

@@ -10,7 +10,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar, Literal, NoReturn
 
 import torch
@@ -71,6 +71,10 @@ class _Waiters:
         jobs.put((fn, done, failed))
         return done, failed
 
+    def forget(self) -> None:
+        self._idle = []
+        self._lock = threading.Lock()
+
     def _serve(self, jobs: queue.SimpleQueue[Any]) -> None:
         while True:
             fn, done, failed = jobs.get()
@@ -84,6 +88,8 @@ class _Waiters:
 
 
 _WAITERS = _Waiters()
+if hasattr(os, "register_at_fork"):  # a forked child has none of the parent's threads
+    os.register_at_fork(after_in_child=_WAITERS.forget)
 
 
 def _process_id() -> tuple[str, int, int]:
@@ -265,16 +271,21 @@ class _TorchCommunicator(Communicator):
     # collective's work can be waited on again after a wait times out; a point-to-point one can't (a
     # timed-out wait closes gloo's connection), so large point-to-point transfers are waited on by a
     # helper thread while this one watches, and small ones (which finish at once) in one piece.
+    # A peer whose process is gone fails the wait only if the wait still needs it DEAD_GRACE seconds
+    # later: a peer that did its part and exited (the end of a job) is no failure.
     _SLICE = 1.0
+    _DEAD_GRACE = 5.0
     _WATCHED_P2P_BYTES = 1 << 20
     _sliced_waits = True  # NCCL: no (a timed-out wait may abort its communicator)
 
-    def _wait(self, works: list[Any], timeout: float | None, p2p_bytes: int | None = None) -> None:
+    def _wait(self, works: list[Any], timeout: float | None, p2p_peers: list[int] | None = None,
+              p2p_bytes: int = 0) -> None:
+        """Wait for ``works``; ``p2p_peers``: point-to-point works, and the peer of each."""
         try:
-            if not self._sliced_waits or (p2p_bytes is not None and p2p_bytes < self._WATCHED_P2P_BYTES):
+            if not self._sliced_waits or (p2p_peers is not None and p2p_bytes < self._WATCHED_P2P_BYTES):
                 self._wait_whole(works, timeout)
-            elif p2p_bytes is not None:
-                self._wait_watched(works, timeout)
+            elif p2p_peers is not None:
+                self._wait_watched(works, timeout, p2p_peers)
             else:
                 self._wait_sliced(works, timeout)
         except DistCommError:
@@ -287,19 +298,21 @@ class _TorchCommunicator(Communicator):
             raise
 
     @staticmethod
-    def _wait_whole(works: list[Any], timeout: float | None) -> None:
-        if timeout is None:
-            for w in works:
+    def _wait_whole(works: list[Any], timeout: float | None, progress: list[int] | None = None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for i, w in enumerate(works):
+            if progress is not None:
+                progress[0] = i
+            if deadline is None:
                 w.wait()
-        elif len(works) == 1:
-            works[0].wait(_timedelta(timeout))
-        else:
-            deadline = time.monotonic() + timeout
-            for w in works:
+            elif len(works) == 1:
+                w.wait(_timedelta(timeout))
+            else:
                 w.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
 
     def _wait_sliced(self, works: list[Any], timeout: float | None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
+        seen: dict[int, float] = {}
         for w in works:
             while True:
                 left = None if deadline is None else deadline - time.monotonic()
@@ -310,22 +323,33 @@ class _TorchCommunicator(Communicator):
                 except RuntimeError as e:  # a slice ran out ("Operation timed out!"), or the transport failed
                     if (left is not None and left <= self._SLICE) or "timed out" not in str(e).lower():
                         raise
-                self._check_peers()
+                self._check_peers(self._peer_pids, seen)
 
-    def _wait_watched(self, works: list[Any], timeout: float | None) -> None:
-        done, failed = _WAITERS.run(lambda: self._wait_whole(works, timeout))
+    def _wait_watched(self, works: list[Any], timeout: float | None, peers: list[int]) -> None:
+        progress = [0]  # the work the helper waits on now: the ones before it are done
+        done, failed = _WAITERS.run(lambda: self._wait_whole(works, timeout, progress))
+        start, seen = time.monotonic(), dict[int, float]()
         while not done.wait(self._SLICE):
-            self._check_peers()
+            self._check_peers(set(peers[progress[0]:]), seen)
+            if timeout is not None and time.monotonic() - start > timeout + self._DEAD_GRACE:
+                raise RuntimeError(f"timed out: the transport didn't finish within {timeout}s")  # a lost helper
         if failed:
             raise failed[0]
 
-    def _check_peers(self) -> None:
-        gone = [(r, pid) for r, pid in self._peer_pids.items() if not _alive(pid)]
+    def _check_peers(self, needed: Iterable[int], seen: dict[int, float]) -> None:
+        """Raise PeerError for a peer this wait needs whose process has been gone for DEAD_GRACE."""
+        now = time.monotonic()
+        gone = []
+        for r in needed:
+            pid = self._peer_pids.get(r)
+            if pid is not None and not _alive(pid):
+                if now - seen.setdefault(r, now) >= self._DEAD_GRACE:
+                    gone.append((r, pid))
         if gone:
             what = f"{self._op_label} (call #{self._seq})"
             names = ", ".join(f"rank {r} (pid {pid})" for r, pid in gone)
             self._mark_broken(f"{what}: {names} exited")
-            raise PeerError(f"{what}: lost a peer: {names} on this machine exited while this rank waited for it "
+            raise PeerError(f"{what}: lost a peer: {names} on this machine exited while this rank still needed it "
                             f"(its connections may stay open in a process it forked, so the transport can't tell)",
                             op=self._op_label, ranks=[r for r, _ in gone])
 
@@ -368,7 +392,8 @@ class _TorchCommunicator(Communicator):
             works += [g.send([t], dst, 0) for dst, t in sends]
         except Exception as e:
             self._fail(e, timeout)
-        self._wait(works, timeout, sum(t.numel() for _, t in recvs) + sum(t.numel() for _, t in sends))
+        self._wait(works, timeout, [src for src, _ in recvs] + [dst for dst, _ in sends],
+                   sum(t.numel() for _, t in recvs) + sum(t.numel() for _, t in sends))
 
     def _alltoallv(
         self, send: torch.Tensor, send_counts: list[int], recv: torch.Tensor, recv_counts: list[int],
@@ -449,7 +474,8 @@ class _TorchCommunicator(Communicator):
             works += [g.send([tensor], r, 1) for r in peers] if rows[me] else []
         except Exception as e:
             self._fail(e, timeout)
-        self._wait(works, timeout, out.numel() * out.element_size())
+        self._wait(works, timeout, [r for r in peers if rows[r]] + (peers if rows[me] else []),
+                   out.numel() * out.element_size())
 
     _uneven_allgather = False  # NCCL's all-gather takes outputs of different sizes
 
@@ -473,11 +499,12 @@ class _TorchCommunicator(Communicator):
         return self._sub_settings(timeout)
 
     # ------------------------------------------------------------------ failures
-    def _reported(self, grace: float) -> tuple[list[int], dict[int, str]] | None:
+    def _reported(self, grace: float) -> tuple[list[int], dict[int, str]] | Literal["no store", "unreachable"]:
         """Write that this rank failed at this call, and what it is doing; wait ``grace`` for the
-        others. Return who reached this call, and what each rank that failed in any call reported."""
+        others. Return who reached this call, and what each rank that failed in any call reported;
+        or why not: no store to ask (or set-up, before the ranks share a token), or it didn't answer."""
         if self._store is None or not self._token:
-            return None
+            return "no store"
         prefix = f"distcomm/{self._token}/{self._seq}/"
         states = f"distcomm/{self._token}/state/"
         try:
@@ -493,7 +520,7 @@ class _TorchCommunicator(Communicator):
                     for r in range(self._world) if self._store.check([states + str(r)])}
             return present, told
         except Exception:  # the store may be gone with the peer that hosted it
-            return None
+            return "unreachable"
 
     def _store_host(self) -> int | None:
         """The rank (in this group) whose process serves the job's TCPStore: global rank 0."""
@@ -512,15 +539,15 @@ class _TorchCommunicator(Communicator):
         self._mark_broken(f"{what}: {text[:160]}")
         grace = 2.0 if timeout is None else min(2.0, max(0.5, timeout / 4))
         reported = self._reported(grace)
-        present, told = (None, {}) if reported is None else reported
+        present, told = (None, {}) if isinstance(reported, str) else reported
         missing = [] if present is None else [r for r in range(self._world) if r not in present]
         told[self._rank] = self._state()
         table = "\n" + _states_table(told, self._world)
         who = ""
         if missing:
             who = f"; rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} never reported reaching it"
-        host = self._store_host() if present is None else None
-        if host is not None:  # the store that would name the missing ranks went away: its host is the first suspect
+        host = self._store_host() if reported == "unreachable" else None
+        if host is not None and host != self._rank:  # the store that names missing ranks is gone: suspect its host
             missing = [host]
             who = f"; rank {host}, which hosts the job's store, is unreachable (it exited or its machine is down)"
         timed_out = "timed out" in low or "timeout" in low
