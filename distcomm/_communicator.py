@@ -1441,14 +1441,23 @@ class Communicator(abc.ABC):
         buf = torch.empty(world * size, dtype=torch.uint8)  # block j holds rank (me + j) % world
         view = memoryview(buf.numpy())  # type: ignore[arg-type]
         view[:size] = slot
-        have = 1
-        while have < world:
-            n = min(have, world - have)
-            self._xchg([((me - have) % world, buf[: n * size])],
-                       [((me + have) % world, buf[have * size : (have + n) * size])], timeout)
-            have += n
+
+        def rounds() -> None:
+            have = 1
+            while have < world:
+                n = min(have, world - have)
+                self._xchg([((me - have) % world, buf[: n * size])],
+                           [((me + have) % world, buf[have * size : (have + n) * size])], timeout)
+                have += n
+
+        self._watched(rounds, timeout)
         first = (world - me) % world * size  # where rank 0's slot is
         return memoryview(bytes(view[first:]) + bytes(view[:first]))
+
+    def _watched(self, fn: Callable[[], None], timeout: float | None) -> None:
+        """Run a sequence of transport steps; a transport whose waits can't be interrupted runs it
+        where the caller can watch (see GlooCommunicator). This default just runs it."""
+        fn()
 
     def _allgather_small(self, slot: bytearray, size: int, timeout: float | None) -> memoryview:
         """The small-world slot exchange; this default sends the slot to every peer point to point."""

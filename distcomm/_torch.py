@@ -278,11 +278,19 @@ class _TorchCommunicator(Communicator):
     _WATCHED_P2P_BYTES = 1 << 20
     _sliced_waits = True  # NCCL: no (a timed-out wait may abort its communicator)
 
+    _watching = False  # set while a helper thread runs transport steps that this rank's caller watches
+
     def _wait(self, works: list[Any], timeout: float | None, p2p_peers: list[int] | None = None,
               p2p_bytes: int = 0) -> None:
-        """Wait for ``works``; ``p2p_peers``: point-to-point works, and the peer of each."""
+        """Wait for ``works``; ``p2p_peers``: point-to-point works, and the peer of each.
+
+        Point-to-point waits are handed to a helper thread when they can last: large transfers, and
+        any in worlds beyond 4 ranks (where a peer that is late or gone leaves this rank waiting in
+        them); small ones in small worlds finish at once, and the hand-off would cost more."""
         try:
-            if not self._sliced_waits or (p2p_peers is not None and p2p_bytes < self._WATCHED_P2P_BYTES):
+            if not self._sliced_waits or self._watching or (
+                    p2p_peers is not None and p2p_bytes < self._WATCHED_P2P_BYTES
+                    and self._world <= _frame.SMALL_WORLD):
                 self._wait_whole(works, timeout)
             elif p2p_peers is not None:
                 self._wait_watched(works, timeout, p2p_peers)
@@ -333,6 +341,36 @@ class _TorchCommunicator(Communicator):
             self._check_peers(set(peers[progress[0]:]), seen)
             if timeout is not None and time.monotonic() - start > timeout + self._DEAD_GRACE:
                 raise RuntimeError(f"timed out: the transport didn't finish within {timeout}s")  # a lost helper
+        if failed:
+            raise failed[0]
+
+    def _watched(self, fn: Callable[[], None], timeout: float | None) -> None:
+        if not self._sliced_waits or self._watching:
+            fn()
+            return
+
+        def run() -> None:
+            self._watching = True
+            try:
+                fn()
+            finally:
+                self._watching = False
+
+        done, failed = _WAITERS.run(run)
+        start, seen = time.monotonic(), dict[int, float]()
+        try:
+            while not done.wait(self._SLICE):
+                self._check_peers(self._peer_pids, seen)
+                if timeout is not None and time.monotonic() - start > timeout + self._DEAD_GRACE:
+                    self._mark_broken(f"{self._op_label} (call #{self._seq}): the transport didn't finish")
+                    raise CollectiveTimeoutError(f"{self._op_label} (call #{self._seq}) timed out after {timeout}s "
+                                                 f"(the transport didn't finish)", op=self._op_label)
+        except DistCommError:
+            raise
+        except BaseException as e:  # Ctrl-C: the peers still expect this call's messages
+            self._mark_broken(f"{self._op_label} (call #{self._seq}) was interrupted ({type(e).__name__}) while "
+                              f"waiting for its peers")
+            raise
         if failed:
             raise failed[0]
 
