@@ -369,17 +369,14 @@ class _Loader(pickle._Unpickler):
         if type(value) is _DtypeSpec:
             value.memo_at.append(index)
 
-    def load_memoize(self) -> None:
-        self._store(len(self.memo))
+    def _text_index(self) -> int:
+        return int(self.readline()[:-1])
 
-    def load_put(self) -> None:
-        self._store(int(self.readline()[:-1]))
+    def _byte_index(self) -> int:
+        return self.read(1)[0]
 
-    def load_binput(self) -> None:
-        self._store(self.read(1)[0])
-
-    def load_long_binput(self) -> None:
-        self._store(struct.unpack("<I", self.read(4))[0])
+    def _long_index(self) -> int:
+        return int(struct.unpack("<I", self.read(4))[0])
 
     def _fetch(self, index: int) -> None:
         if not 0 <= index < len(self.memo):
@@ -389,24 +386,19 @@ class _Loader(pickle._Unpickler):
             _refuse("a second reference to a numpy dtype before its state is set")
         self.append(value)
 
-    def load_get(self) -> None:
-        self._fetch(int(self.readline()[:-1]))
-
-    def load_binget(self) -> None:
-        self._fetch(self.read(1)[0])
-
-    def load_long_binget(self) -> None:
-        self._fetch(struct.unpack("<I", self.read(4))[0])
-
     def load_dup(self) -> None:
         if type(self.stack[-1]) is _DtypeSpec:
             _refuse("a second reference to a numpy dtype before its state is set")
         self.append(self.stack[-1])
 
-    for _op, _fn in ((pickle.MEMOIZE, load_memoize), (pickle.PUT, load_put), (pickle.BINPUT, load_binput),
-                     (pickle.LONG_BINPUT, load_long_binput), (pickle.GET, load_get), (pickle.BINGET, load_binget),
-                     (pickle.LONG_BINGET, load_long_binget), (pickle.DUP, load_dup)):
-        dispatch[_op[0]] = _fn
+    dispatch[pickle.MEMOIZE[0]] = lambda u: u._store(len(u.memo))
+    for _store_op, _fetch_op, _index in ((pickle.PUT, pickle.GET, _text_index),
+                                         (pickle.BINPUT, pickle.BINGET, _byte_index),
+                                         (pickle.LONG_BINPUT, pickle.LONG_BINGET, _long_index)):
+        dispatch[_store_op[0]] = lambda u, index=_index: u._store(index(u))
+        dispatch[_fetch_op[0]] = lambda u, index=_index: u._fetch(index(u))
+    dispatch[pickle.DUP[0]] = load_dup
+    del _store_op, _fetch_op, _index
 
     # ------------------------------------------------------------------ counted data, extensions
     def load_frame(self) -> None:
