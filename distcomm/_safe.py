@@ -29,6 +29,7 @@ from __future__ import annotations
 import collections
 import datetime
 import io
+import math
 import pickle
 import reprlib
 import struct
@@ -62,6 +63,10 @@ def _refuse(what: str) -> NoReturn:
 
 # ---------------------------------------------------------------------------------- constructors
 _NUMBER = (int, float, bool)
+_CALL_COST = 1024  # what one constructor call may allocate beyond its data (a tensor, an array, a deque's block)
+_CALL_BUDGET = 100  # bytes that calls may allocate per byte received (plus 1 MiB)
+_MAX_NESTING = 100  # tuples and frozensets in tuples and frozensets: hashing them recurses in C, unguarded
+_TORCH_DTYPES = frozenset(k for k, v in vars(torch).items() if isinstance(v, torch.dtype))
 _TEXT = (str, bytes, bytearray)
 _CARRIED = (list, tuple, dict, set, frozenset, bytes, bytearray, str, int, float, complex, bool, type(None))
 _BUFFER = (bytes, bytearray, memoryview, pickle.PickleBuffer)
@@ -71,8 +76,19 @@ def _args_of(*kinds: type | tuple[type, ...]) -> Callable[[Any], bool]:
     return lambda a: isinstance(a, kinds)
 
 
+def _size_of(value: Any) -> int:
+    """About what a copy of ``value`` costs: bytes for bytes, 8 per item for containers, 4 per character."""
+    if isinstance(value, (bytes, bytearray, memoryview, pickle.PickleBuffer)):
+        return memoryview(value).nbytes
+    if isinstance(value, str):
+        return 4 * len(value)
+    if isinstance(value, (list, tuple, dict, set, frozenset, collections.deque)):
+        return 8 * len(value)
+    return 0
+
+
 def _checked(ctor: Callable[..., Any], name: str, ok: Callable[[Any], bool], why: str,
-             also: Callable[..., str | None] | None = None) -> Callable[..., Any]:
+             also: Callable[..., str | None] | None, loader: _Loader) -> Callable[..., Any]:
     def build(*args: Any, **kwargs: Any) -> Any:
         for a in (*args, *kwargs.values()):
             if not ok(a):
@@ -81,7 +97,11 @@ def _checked(ctor: Callable[..., Any], name: str, ok: Callable[[Any], bool], why
             problem = also(*args, **kwargs)
             if problem:
                 _refuse(f"{name}(): {problem}")
-        return ctor(*args, **kwargs)
+        loader._charge(_CALL_COST + sum(_size_of(a) for a in args) * (4 if ctor is str else 1), name)
+        made = ctor(*args, **kwargs)
+        if isinstance(made, (tuple, frozenset)):
+            loader._nested(made, made)
+        return made
 
     return build
 
@@ -131,6 +151,8 @@ _CONSTRUCTORS: dict[tuple[str, str], tuple[Callable[[Any], bool], str, Callable[
 def _rebuild_tensor_checked(data: Any, dtype: Any, shape: Any, requires_grad: Any, was_cuda: Any) -> Any:
     from ._serialization import _rebuild_tensor
 
+    if not isinstance(dtype, torch.dtype):
+        _refuse(f"a tensor of dtype {_show(dtype)}")
     if not isinstance(data, _BUFFER):
         _refuse(f"a tensor over a {type(data).__name__}: its data must be bytes the payload carries")
     if not (isinstance(shape, tuple) and all(isinstance(n, int) and not isinstance(n, bool) for n in shape)):
@@ -191,6 +213,16 @@ def _real_dtype(value: Any, what: str) -> np.dtype[Any]:
     return value
 
 
+def _plain_elements(dtype: Any, shape: Any) -> np.dtype[Any]:
+    """An array's dtype, checked; and elements that take memory (with an item size of 0, a shape of
+    2**50 costs nothing to make, and everything that iterates the array pays instead)."""
+    checked = _real_dtype(dtype, "a numpy array")
+    if checked.itemsize == 0 and isinstance(shape, tuple) and all(isinstance(n, int) for n in shape) \
+            and math.prod(shape) > 0:
+        _refuse(f"a numpy array of {math.prod(shape)} elements of size 0")
+    return checked
+
+
 def _described(spec: str, state: Any) -> np.dtype[Any]:
     """The dtype numpy builds from the plain description that ``spec`` and ``state`` give."""
     if not (isinstance(state, tuple) and len(state) in (8, 9) and state[0] in (3, 4)
@@ -244,6 +276,26 @@ class _Loader(pickle._Unpickler):
         self._specs: list[_DtypeSpec] = []  # placeholders whose state is still to come
         self._fresh: dict[int, np.ndarray[Any, Any]] = {}  # arrays made here whose state is still to come
         self.memo: list[Any] = []  # indices are positions: 8 bytes an entry
+        self._budget = _CALL_BUDGET * file.getbuffer().nbytes + (1 << 20)  # what calls may allocate
+        self._depth: dict[int, tuple[Any, int]] = {}  # tuples and frozensets with tuples or frozensets inside
+
+    def _charge(self, nbytes: int, what: str) -> None:
+        self._budget -= nbytes
+        if self._budget < 0:
+            _refuse(f"{what}(): the payload's calls would allocate more than {_CALL_BUDGET} bytes per byte received")
+
+    def _nested(self, made: Any, items: Iterable[Any]) -> Any:
+        """Record how deeply ``made`` (a tuple or frozenset of ``items``) nests tuples and frozensets."""
+        depth = 1
+        for item in items:
+            if type(item) in (tuple, frozenset):
+                seen = self._depth.get(id(item))
+                depth = max(depth, 1 + (seen[1] if seen is not None and seen[0] is item else 1))
+        if depth > _MAX_NESTING:
+            _refuse(f"tuples or frozensets nested over {_MAX_NESTING} deep (hashing them recurses without a guard)")
+        if depth > 1:
+            self._depth[id(made)] = (made, depth)
+        return made
 
     def load(self) -> Any:
         """Python's load loop, reading the in-memory stream directly: a FRAME only announces how
@@ -276,11 +328,17 @@ class _Loader(pickle._Unpickler):
             return super().find_class(module, name)
         if key in _CONSTRUCTORS:
             ok, why, also = _CONSTRUCTORS[key]
-            return _checked(super().find_class(module, name), f"{module}.{name}", ok, why, also)
+            return _checked(super().find_class(module, name), f"{module}.{name}", ok, why, also, self)
         if key in _TORCH_FUNCTIONS:
-            return _TORCH_FUNCTIONS[key]
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
+            fn = _TORCH_FUNCTIONS[key]
+
+            def call(*args: Any) -> Any:
+                self._charge(_CALL_COST + sum(_size_of(a) for a in args), name)
+                return fn(*args)
+
+            return call
+        if module == "torch" and name in _TORCH_DTYPES:  # (getattr(torch, name) could import a submodule)
+            return vars(torch)[name]
         _refuse(f"to load global {module}.{name}: it is not on the allowlist "
                 f"(register it with SafeSerializer(allow=[...]) if it is trusted)")
 
@@ -302,6 +360,7 @@ class _Loader(pickle._Unpickler):
         if subtype is not _ARRAY_TYPE or shape != (0,) or dtype != b"b":
             _refuse(f"numpy _reconstruct({_show(subtype)}, {_show(shape)}, {_show(dtype)}): only numpy's own "
                     f"empty-then-filled form is allowed")
+        self._charge(_CALL_COST, "numpy _reconstruct")
         made = np.ndarray.__new__(np.ndarray, (0,), "b")
         self._fresh[id(made)] = made
         return made
@@ -309,6 +368,7 @@ class _Loader(pickle._Unpickler):
     def _scalar(self, dtype: Any, data: Any) -> Any:
         if not isinstance(data, bytes):
             _refuse(f"a numpy scalar over a {type(data).__name__}: its data must be bytes")
+        self._charge(_CALL_COST, "numpy scalar")
         return _NP_CORE.multiarray.scalar(_real_dtype(dtype, "a numpy scalar"), data)
 
     def _frombuffer(self, buf: Any, dtype: Any, shape: Any, order: Any) -> Any:
@@ -317,7 +377,8 @@ class _Loader(pickle._Unpickler):
         if not (isinstance(shape, tuple) and all(isinstance(n, int) and not isinstance(n, bool) for n in shape)
                 and order in ("C", "F")):
             _refuse(f"a numpy array of shape {_show(shape)}, order {_show(order)}")
-        return _NP_CORE.numeric._frombuffer(buf, _real_dtype(dtype, "a numpy array"), shape, order)
+        self._charge(_CALL_COST, "numpy _frombuffer")
+        return _NP_CORE.numeric._frombuffer(buf, _plain_elements(dtype, shape), shape, order)
 
     # ------------------------------------------------------------------ BUILD
     def load_build(self) -> None:
@@ -329,9 +390,11 @@ class _Loader(pickle._Unpickler):
         if isinstance(inst, np.ndarray):
             if self._fresh.pop(id(inst), None) is not inst:
                 _refuse("to set the state of a numpy array twice, or of one not made by numpy's own form")
-            if not (isinstance(state, tuple) and len(state) == 5 and isinstance(state[4], _BUFFER)):
+            if not (isinstance(state, tuple) and len(state) == 5 and isinstance(state[4], _BUFFER)
+                    and isinstance(state[1], tuple)):
                 _refuse(f"numpy array state {_show(state)}: its data must be bytes")
-            _real_dtype(state[2], "a numpy array")
+            _plain_elements(state[2], state[1])
+            self._charge(_size_of(state[4]), "a numpy array")  # numpy copies the bytes
             super().load_build()  # type: ignore[misc]
             return
         cls = type(inst)
@@ -399,6 +462,97 @@ class _Loader(pickle._Unpickler):
         dispatch[_fetch_op[0]] = lambda u, index=_index: u._fetch(index(u))
     dispatch[pickle.DUP[0]] = load_dup
     del _store_op, _fetch_op, _index
+
+    # ------------------------------------------------------------------ calls and containers
+    def load_reduce(self) -> None:
+        args = self.stack.pop()
+        if type(args) is not tuple:  # func(*args) would iterate anything (a range, an array)
+            _refuse(f"a call whose arguments are a {type(args).__name__}, not a tuple")
+        self.stack[-1] = self.stack[-1](*args)
+
+    def load_newobj(self) -> None:
+        args = self.stack.pop()
+        if type(args) is not tuple:
+            _refuse(f"NEWOBJ with arguments in a {type(args).__name__}, not a tuple")
+        cls = self.stack.pop()
+        self.append(cls.__new__(cls, *args))
+
+    def load_newobj_ex(self) -> None:
+        kwargs, args = self.stack.pop(), self.stack.pop()
+        if type(args) is not tuple or type(kwargs) is not dict:
+            _refuse("NEWOBJ_EX with arguments that aren't a tuple and a dict")
+        cls = self.stack.pop()
+        self.append(cls.__new__(cls, *args, **kwargs))
+
+    def _registered(self, obj: Any) -> bool:
+        return (type(obj).__module__, type(obj).__qualname__) in self._allowed
+
+    def _into(self, target: Any, kinds: tuple[type, ...], what: str) -> None:
+        if not isinstance(target, kinds) and not self._registered(target):
+            _refuse(f"{what} a {type(target).__module__}.{type(target).__qualname__}")
+
+    def load_append(self) -> None:
+        value = self.stack.pop()
+        self._append_all(self.stack[-1], [value])
+
+    def load_appends(self) -> None:
+        items = self.pop_mark()  # type: ignore[attr-defined]
+        self._append_all(self.stack[-1], items)
+
+    def _append_all(self, target: Any, items: list[Any]) -> None:
+        self._into(target, (list, collections.deque), "items appended to")
+        if isinstance(target, collections.deque) and any(isinstance(v, collections.deque) for v in items):
+            _refuse("a deque inside a deque (freeing deeply nested ones recurses)")
+        if isinstance(target, (list, collections.deque)):
+            target.extend(items)
+        else:
+            extend = getattr(target, "extend", None)  # a registered class: pickle's own way
+            if extend is not None:
+                extend(items)
+            else:
+                for item in items:
+                    target.append(item)
+
+    def load_setitem(self) -> None:
+        value, key = self.stack.pop(), self.stack.pop()
+        self._into(self.stack[-1], (dict,), "items set in")
+        self.stack[-1][key] = value
+
+    def load_setitems(self) -> None:
+        items = self.pop_mark()  # type: ignore[attr-defined]
+        target = self.stack[-1]
+        self._into(target, (dict,), "items set in")
+        for i in range(0, len(items), 2):
+            target[items[i]] = items[i + 1]
+
+    def load_additems(self) -> None:
+        items = self.pop_mark()  # type: ignore[attr-defined]
+        self._into(self.stack[-1], (set,), "items added to")
+        self.stack[-1].update(items)
+
+    def load_tuple(self) -> None:
+        items = self.pop_mark()  # type: ignore[attr-defined]
+        self.append(self._nested(tuple(items), items))
+
+    def load_tuple1(self) -> None:
+        self.stack[-1] = self._nested((self.stack[-1],), self.stack[-1:])
+
+    def load_tuple2(self) -> None:
+        self.stack[-2:] = [self._nested(tuple(self.stack[-2:]), self.stack[-2:])]
+
+    def load_tuple3(self) -> None:
+        self.stack[-3:] = [self._nested(tuple(self.stack[-3:]), self.stack[-3:])]
+
+    def load_frozenset(self) -> None:
+        items = self.pop_mark()  # type: ignore[attr-defined]
+        self.append(self._nested(frozenset(items), items))
+
+    for _op, _fn in ((pickle.REDUCE, load_reduce), (pickle.NEWOBJ, load_newobj), (pickle.NEWOBJ_EX, load_newobj_ex),
+                     (pickle.APPEND, load_append), (pickle.APPENDS, load_appends), (pickle.SETITEM, load_setitem),
+                     (pickle.SETITEMS, load_setitems), (pickle.ADDITEMS, load_additems), (pickle.TUPLE, load_tuple),
+                     (pickle.TUPLE1, load_tuple1), (pickle.TUPLE2, load_tuple2), (pickle.TUPLE3, load_tuple3),
+                     (pickle.FROZENSET, load_frozenset)):
+        dispatch[_op[0]] = _fn
 
     # ------------------------------------------------------------------ counted data, extensions
     def load_frame(self) -> None:

@@ -398,10 +398,30 @@ payloads = {
     "a parameter with hooks": in_band(R(_rebuild_parameter, (torch.ones(1), False,
                                                              collections.OrderedDict(a=int)), None)),
 }
+def glob(module, name):  # STACK_GLOBAL
+    return b"\x8c" + bytes([len(module)]) + module.encode() + b"\x8c" + bytes([len(name)]) + name.encode() + b"\x93"
+P5 = b"\x80\x05"
+deque_twice = P5 + glob("collections", "deque") + b"\x94)\x940" + b"h\x00h\x01R" * 3 + b"a" * 2 + b"."
+copies = (P5 + b"N\x94" + glob("builtins", "bytearray") + b"\x94B" + (4096).to_bytes(4, "little") + b"x" * 4096
+          + b"\x85\x940]" + b"h\x01h\x02Ra" * 2000 + b".")
+v0 = (glob("numpy", "dtype") + b"\x8c\x02V0\x89\x88\x87R(K\x03\x8c\x01|NNNK\x00K\x01K\x00tb")
+payloads.update({
+    "tuples nested deep": P5 + b"}" + b")" + b"\x85" * 200 + b"Ns.",
+    "a deque appended into a deque": deque_twice,
+    "a copy made again and again": copies,
+    "an array of size-0 elements": P5 + glob("numpy._core.multiarray", "_reconstruct") + glob("numpy", "ndarray")
+                                   + b"K\x00\x85C\x01b\x87R(K\x01\x8a\x07" + (2**50).to_bytes(7, "little")
+                                   + b"\x85" + v0 + b"\x89C\x00tb.",
+    "a call over a range": P5 + glob("builtins", "list") + glob("builtins", "range") + b"K\x05\x85R" + b"R.",
+    "items set in a list": P5 + b"]K\x00Ns.",
+    "a torch submodule": P5 + glob("torch", "_inductor") + b".",
+})
+import sys
 tensor = distcomm.SafeSerializer().loads([memoryview(pickle.dumps(
     R(_rebuild_tensor, (b"A", torch.uint8, (1,), False, False), None), protocol=5))])
 tensor.add_(1)
 print("b'A' still reads:", b"A".decode())
+print("torch._inductor imported:", "torch._inductor" in sys.modules)
 for name, raw in payloads.items():
     try:
         got = distcomm.SafeSerializer().loads([memoryview(raw)])
@@ -430,10 +450,13 @@ def test_safe_loads_refuse_forged_numpy_dtypes_and_object_arrays() -> None:
                  "object scalar", "object array", "dtype class", "grown after use", "a float64 given a struct's state",
                  "a datetime given a struct's state", "an array built twice", "nested slices", "nested deques",
                  "a size from a range", "str of a structure", "a tensor's state", "a function's state",
-                 "a parameter with hooks"):
+                 "a parameter with hooks", "tuples nested deep", "a deque appended into a deque",
+                 "a copy made again and again", "an array of size-0 elements", "a call over a range",
+                 "items set in a list", "a torch submodule"):
         assert f"{name} refused: SafeSerializer refused" in out.stdout, out.stdout
     assert "float64 still plain: True" in out.stdout
     assert "b'A' still reads: A" in out.stdout  # a writable tensor over the stream's bytes would change it
+    assert "torch._inductor imported: False" in out.stdout
 
 
 def test_fuzzed_safe_loads_build_only_allowlisted_types_within_the_allocation_bound() -> None:
