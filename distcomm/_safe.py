@@ -65,6 +65,7 @@ def _refuse(what: str) -> NoReturn:
 _NUMBER = (int, float, bool)
 _CALL_COST = 1024  # what one constructor call may allocate beyond its data (a tensor, an array, a deque's block)
 _CALL_BUDGET = 100  # bytes that calls may allocate per byte received (plus 1 MiB)
+_MAX_DTYPE_NESTING = 32  # structured dtypes inside structured dtypes
 _MAX_NESTING = 100  # tuples and frozensets in tuples and frozensets: hashing them recurses in C, unguarded
 _TORCH_DTYPES = frozenset(k for k, v in vars(torch).items() if isinstance(v, torch.dtype))
 _TEXT = (str, bytes, bytearray)
@@ -77,14 +78,31 @@ def _args_of(*kinds: type | tuple[type, ...]) -> Callable[[Any], bool]:
 
 
 def _size_of(value: Any) -> int:
-    """About what a copy of ``value`` costs: bytes for bytes, 8 per item for containers, 4 per character."""
+    """How many bytes or items ``value`` holds."""
     if isinstance(value, (bytes, bytearray, memoryview, pickle.PickleBuffer)):
         return memoryview(value).nbytes
-    if isinstance(value, str):
-        return 4 * len(value)
-    if isinstance(value, (list, tuple, dict, set, frozenset, collections.deque)):
-        return 8 * len(value)
+    if isinstance(value, (str, list, tuple, dict, set, frozenset, collections.deque)):
+        return len(value)
     return 0
+
+
+# What a constructor may build per byte or item of its arguments: a container of a str makes a new
+# str per character (about 80 bytes), a hash table about 100 bytes an entry; str() of bytes is 4 per byte.
+_PER_ITEM: dict[Any, int] = {list: 100, tuple: 100, set: 100, frozenset: 100, dict: 100, collections.deque: 100,
+                             collections.Counter: 100, collections.OrderedDict: 100, str: 4, bytes: 8,
+                             bytearray: 8}
+_ENCODINGS = frozenset({"utf-8", "utf8", "ascii", "latin-1", "latin1"})  # others import a codec module
+_ERRORS = frozenset({"strict", "replace", "ignore", "surrogateescape", "backslashreplace"})
+
+
+def _plain_codec(*args: Any, **kwargs: Any) -> str | None:
+    encoding, errors = [*args[1:3], None, None][:2]
+    encoding, errors = kwargs.get("encoding", encoding), kwargs.get("errors", errors)
+    if encoding is not None and (not isinstance(encoding, str) or encoding.lower() not in _ENCODINGS):
+        return f"encoding {_show(encoding)}: only {', '.join(sorted(_ENCODINGS))}"
+    if errors is not None and (not isinstance(errors, str) or errors not in _ERRORS):
+        return f"errors {_show(errors)}"
+    return None
 
 
 def _checked(ctor: Callable[..., Any], name: str, ok: Callable[[Any], bool], why: str,
@@ -97,7 +115,7 @@ def _checked(ctor: Callable[..., Any], name: str, ok: Callable[[Any], bool], why
             problem = also(*args, **kwargs)
             if problem:
                 _refuse(f"{name}(): {problem}")
-        loader._charge(_CALL_COST + sum(_size_of(a) for a in args) * (4 if ctor is str else 1), name)
+        loader._charge(_CALL_COST + sum(_size_of(a) for a in args) * _PER_ITEM.get(ctor, 1), name)
         made = ctor(*args, **kwargs)
         if isinstance(made, (tuple, frozenset)):
             loader._nested(made, made)
@@ -126,9 +144,10 @@ def _sizes_only(*args: Any, **kwargs: Any) -> str | None:
 _CONSTRUCTORS: dict[tuple[str, str], tuple[Callable[[Any], bool], str, Callable[..., str | None] | None]] = {
     **{("builtins", n): (_args_of(_CARRIED), _FROM_CARRIED, None)
        for n in ("list", "tuple", "set", "frozenset", "dict")},
-    **{("builtins", n): (lambda a: isinstance(a, _CARRIED) and not isinstance(a, int), _FROM_CARRIED, None)
+    **{("builtins", n): (lambda a: isinstance(a, _CARRIED) and not isinstance(a, int), _FROM_CARRIED, _plain_codec)
        for n in ("bytes", "bytearray")},  # bytes(n) allocates n bytes from one int
-    ("builtins", "str"): (_args_of(_TEXT), "str() takes text (of a structure it could grow without bound)", None),
+    ("builtins", "str"): (_args_of(_TEXT), "str() takes text (of a structure it could grow without bound)",
+                          _plain_codec),
     ("builtins", "int"): (_args_of(_NUMBER, _TEXT), "int() takes a number or text", None),
     ("builtins", "float"): (_args_of(_NUMBER, _TEXT), "float() takes a number or text", None),
     ("builtins", "complex"): (_args_of(_NUMBER, complex, str), "complex() takes numbers or text", None),
@@ -205,20 +224,25 @@ class _DtypeSpec:
         self.memo_at: list[int] = []
 
 
-def _real_dtype(value: Any, what: str) -> np.dtype[Any]:
+def _real_dtype(value: Any, what: str, element: bool = False) -> np.dtype[Any]:
+    """A dtype from this load, of plain data; ``element``: an array's or scalar's own dtype, which
+    is never a subarray (numpy writes those as a longer shape; as an element, numpy reads past them)."""
     if not isinstance(value, np.dtype):
         _refuse(f"{what} with dtype {_show(value)}: not a numpy dtype (or one whose state isn't set yet)")
     if value.hasobject:
         _refuse(f"{what} of dtype {value}: object fields hold pointers, not data")
+    if element and value.subdtype is not None:
+        _refuse(f"{what} of subarray dtype {value}: numpy never writes one (only as a field's format)")
     return value
 
 
 def _plain_elements(dtype: Any, shape: Any) -> np.dtype[Any]:
     """An array's dtype, checked; and elements that take memory (with an item size of 0, a shape of
     2**50 costs nothing to make, and everything that iterates the array pays instead)."""
-    checked = _real_dtype(dtype, "a numpy array")
-    if checked.itemsize == 0 and isinstance(shape, tuple) and all(isinstance(n, int) for n in shape) \
-            and math.prod(shape) > 0:
+    checked = _real_dtype(dtype, "a numpy array", element=True)
+    if not (isinstance(shape, tuple) and all(type(n) is int and n >= 0 for n in shape)):
+        _refuse(f"a numpy array of shape {_show(shape)}: a shape is a tuple of non-negative ints")
+    if checked.itemsize == 0 and math.prod(shape) > 0:
         _refuse(f"a numpy array of {math.prod(shape)} elements of size 0")
     return checked
 
@@ -278,6 +302,7 @@ class _Loader(pickle._Unpickler):
         self.memo: list[Any] = []  # indices are positions: 8 bytes an entry
         self._budget = _CALL_BUDGET * file.getbuffer().nbytes + (1 << 20)  # what calls may allocate
         self._depth: dict[int, tuple[Any, int]] = {}  # tuples and frozensets with tuples or frozensets inside
+        self._dtype_depth: dict[int, tuple[np.dtype[Any], int]] = {}  # structured dtypes with structured fields
 
     def _charge(self, nbytes: int, what: str) -> None:
         self._budget -= nbytes
@@ -368,8 +393,8 @@ class _Loader(pickle._Unpickler):
     def _scalar(self, dtype: Any, data: Any) -> Any:
         if not isinstance(data, bytes):
             _refuse(f"a numpy scalar over a {type(data).__name__}: its data must be bytes")
-        self._charge(_CALL_COST, "numpy scalar")
-        return _NP_CORE.multiarray.scalar(_real_dtype(dtype, "a numpy scalar"), data)
+        self._charge(_CALL_COST + len(data), "numpy scalar")
+        return _NP_CORE.multiarray.scalar(_real_dtype(dtype, "a numpy scalar", element=True), data)
 
     def _frombuffer(self, buf: Any, dtype: Any, shape: Any, order: Any) -> Any:
         if not isinstance(buf, _BUFFER):
@@ -411,6 +436,12 @@ class _Loader(pickle._Unpickler):
         except (TypeError, ValueError, OverflowError) as e:
             raise UnsafePayloadError(f"SafeSerializer refused numpy dtype state {_show(state)}: {e}") from e
         made = _real_dtype(made, "a numpy dtype")
+        inner = [f[0] for f in (made.fields or {}).values()] + ([made.subdtype[0]] if made.subdtype else [])
+        depth = 1 + max((self._dtype_depth.get(id(d), (d, 1))[1] for d in inner), default=0)
+        if depth > _MAX_DTYPE_NESTING:  # numpy's copies and casts recurse once per level
+            _refuse(f"numpy dtypes nested over {_MAX_DTYPE_NESTING} deep")
+        if depth > 1:
+            self._dtype_depth[id(made)] = (made, depth)
         reduced: Any = made.__reduce__()
         if reduced[1][0] != placeholder.spec or reduced[2] != state:
             _refuse(f"numpy.dtype({placeholder.spec!r}) with state {_show(state)}: not the state numpy gives the "

@@ -358,6 +358,12 @@ def built_again(new_state):
     state = pickle.dumps(new_state, protocol=3)[2:-1]
     return stream[:-1] + b"h" + bytes([memo]) + state + b"b."
 
+def nested_dtype(depth):
+    d = np.dtype("u1")
+    for _ in range(depth):
+        d = np.dtype([("a", d)])
+    return d
+
 def in_band(obj):  # as distcomm's own pickler writes it (tensors as _rebuild_tensor), all in the stream
     return bytes(distcomm.PickleSerializer(oob_threshold=1 << 40).dumps(obj)[0])
 
@@ -415,6 +421,12 @@ payloads.update({
     "a call over a range": P5 + glob("builtins", "list") + glob("builtins", "range") + b"K\x05\x85R" + b"R.",
     "items set in a list": P5 + b"]K\x00Ns.",
     "a torch submodule": P5 + glob("torch", "_inductor") + b".",
+    "a codec by name": P5 + glob("builtins", "str") + b"C\x01x\x8c\x04idna\x86R.",
+    "dtypes nested deep": pickle.dumps(np.zeros(1, dtype=nested_dtype(40)), protocol=5),
+    "a scalar of a subarray dtype": pickle.dumps(R(scalar, (np.dtype(("u1", (48,))), b"\x81" * 48), None),
+                                                 protocol=5),
+    "a shape of numpy ints": pickle.dumps(R(_reconstruct, (np.ndarray, (0,), b"b"),
+                                            (1, (np.int64(4),), np.dtype("u1"), False, b"abcd")), protocol=5),
 })
 import sys
 tensor = distcomm.SafeSerializer().loads([memoryview(pickle.dumps(
@@ -422,6 +434,9 @@ tensor = distcomm.SafeSerializer().loads([memoryview(pickle.dumps(
 tensor.add_(1)
 print("b'A' still reads:", b"A".decode())
 print("torch._inductor imported:", "torch._inductor" in sys.modules)
+print("idna imported:", "encodings.idna" in sys.modules)
+ok = distcomm.SafeSerializer().loads([memoryview(pickle.dumps(np.zeros(2, dtype=nested_dtype(8)), protocol=5))])
+print("8 levels load:", ok.dtype == nested_dtype(8))
 for name, raw in payloads.items():
     try:
         got = distcomm.SafeSerializer().loads([memoryview(raw)])
@@ -452,11 +467,13 @@ def test_safe_loads_refuse_forged_numpy_dtypes_and_object_arrays() -> None:
                  "a size from a range", "str of a structure", "a tensor's state", "a function's state",
                  "a parameter with hooks", "tuples nested deep", "a deque appended into a deque",
                  "a copy made again and again", "an array of size-0 elements", "a call over a range",
-                 "items set in a list", "a torch submodule"):
+                 "items set in a list", "a torch submodule", "a codec by name", "dtypes nested deep",
+                 "a shape of numpy ints", "a scalar of a subarray dtype"):
         assert f"{name} refused: SafeSerializer refused" in out.stdout, out.stdout
     assert "float64 still plain: True" in out.stdout
     assert "b'A' still reads: A" in out.stdout  # a writable tensor over the stream's bytes would change it
-    assert "torch._inductor imported: False" in out.stdout
+    assert "torch._inductor imported: False" in out.stdout and "idna imported: False" in out.stdout
+    assert "8 levels load: True" in out.stdout
 
 
 def test_fuzzed_safe_loads_build_only_allowlisted_types_within_the_allocation_bound() -> None:
