@@ -300,9 +300,8 @@ class _TorchCommunicator(Communicator):
             raise
         except Exception as e:
             self._fail(e, timeout)
-        except BaseException as e:  # Ctrl-C: the peers still expect this call's messages
-            self._mark_broken(f"{self._op_label} (call #{self._seq}) was interrupted ({type(e).__name__}) while "
-                              f"waiting for its peers")
+        except BaseException as e:
+            self._interrupted(e)
             raise
 
     @staticmethod
@@ -335,14 +334,8 @@ class _TorchCommunicator(Communicator):
 
     def _wait_watched(self, works: list[Any], timeout: float | None, peers: list[int]) -> None:
         progress = [0]  # the work the helper waits on now: the ones before it are done
-        done, failed = _WAITERS.run(lambda: self._wait_whole(works, timeout, progress))
-        start, seen = time.monotonic(), dict[int, float]()
-        while not done.wait(self._SLICE):
-            self._check_peers(set(peers[progress[0]:]), seen)
-            if timeout is not None and time.monotonic() - start > timeout + self._DEAD_GRACE:
-                raise RuntimeError(f"timed out: the transport didn't finish within {timeout}s")  # a lost helper
-        if failed:
-            raise failed[0]
+        self._watch(lambda: self._wait_whole(works, timeout, progress), timeout,
+                    lambda: dict.fromkeys(peers[progress[0]:]))
 
     def _watched(self, fn: Callable[[], None], timeout: float | None) -> None:
         if not self._sliced_waits or self._watching:
@@ -356,23 +349,32 @@ class _TorchCommunicator(Communicator):
             finally:
                 self._watching = False
 
-        done, failed = _WAITERS.run(run)
-        start, seen = time.monotonic(), dict[int, float]()
         try:
-            while not done.wait(self._SLICE):
-                self._check_peers(self._peer_pids, seen)
-                if timeout is not None and time.monotonic() - start > timeout + self._DEAD_GRACE:
-                    self._mark_broken(f"{self._op_label} (call #{self._seq}): the transport didn't finish")
-                    raise CollectiveTimeoutError(f"{self._op_label} (call #{self._seq}) timed out after {timeout}s "
-                                                 f"(the transport didn't finish)", op=self._op_label)
+            self._watch(run, timeout, lambda: self._peer_pids)
         except DistCommError:
             raise
-        except BaseException as e:  # Ctrl-C: the peers still expect this call's messages
-            self._mark_broken(f"{self._op_label} (call #{self._seq}) was interrupted ({type(e).__name__}) while "
-                              f"waiting for its peers")
+        except BaseException as e:
+            self._interrupted(e)
             raise
+
+    def _watch(self, fn: Callable[[], None], timeout: float | None, needed: Callable[[], Iterable[int]]) -> None:
+        """Run ``fn`` in a waiter thread while this one watches: Ctrl-C, the processes of the peers
+        ``needed()`` names, and a helper that never finishes (bounded by the timeout)."""
+        done, failed = _WAITERS.run(fn)
+        start, seen = time.monotonic(), dict[int, float]()
+        while not done.wait(self._SLICE):
+            self._check_peers(needed(), seen)
+            if timeout is not None and time.monotonic() - start > timeout + self._DEAD_GRACE:
+                self._mark_broken(f"{self._op_label} (call #{self._seq}): the transport didn't finish")
+                raise CollectiveTimeoutError(f"{self._op_label} (call #{self._seq}) timed out after {timeout}s "
+                                             f"(the transport didn't finish)", op=self._op_label)
         if failed:
             raise failed[0]
+
+    def _interrupted(self, e: BaseException) -> None:
+        """Ctrl-C (any BaseException) while waiting: the peers still expect this call's messages."""
+        self._mark_broken(f"{self._op_label} (call #{self._seq}) was interrupted ({type(e).__name__}) while "
+                          f"waiting for its peers")
 
     def _check_peers(self, needed: Iterable[int], seen: dict[int, float]) -> None:
         """Raise PeerError for a peer this wait needs whose process has been gone for DEAD_GRACE."""
