@@ -51,7 +51,7 @@ lint: $(STAMP)  ## ruff
 typecheck: $(STAMP)  ## mypy --strict
 	$(BIN)/mypy distcomm
 
-bench: $(STAMP)  ## quick timing against torch at 2-8 ranks, tensor collectives too (writes benchmarks/out/)
+bench: $(STAMP)  ## quick timing against torch at 2-16 ranks (bytes per call beside time), tensor collectives too (writes benchmarks/out/)
 	$(BIN)/python benchmarks/run.py --quick
 	$(BIN)/python benchmarks/tensors.py --quick
 

@@ -205,8 +205,11 @@ def _batch(name: str, size: int) -> int:
     return 3 if name == "2,000 small dicts" else 1
 
 
-def _reps(name: str, size: int, quick: bool) -> int:
-    """The same on every rank (a rank-dependent count would desynchronize the ranks)."""
+def _reps(name: str, size: int, quick: bool, world: int) -> int:
+    """The same on every rank (a rank-dependent count would desynchronize the ranks); quick runs
+    from 16 ranks take half, to keep ``make bench`` within minutes on 2 cores."""
+    if quick and world >= 16:
+        return max(_reps(name, size, quick, 8) // 2, 3)
     nbytes = size if name in ("array", "32 MiB array", "32 MiB tensor", "skewed 32 MiB") else 0
     nbytes = nbytes or (8 * MiB if name == "8 MiB array" else 0)
     if nbytes < 64 * 1024:
@@ -232,7 +235,7 @@ def time_worker(rank: int, world: int, port: int, cases: list[tuple[str, str, in
             fn()
         times: dict[str, list[float]] = {k: [] for k in impls}
         batch = _batch(name, size)
-        for _ in range(_reps(name, size, quick)):
+        for _ in range(_reps(name, size, quick, world)):
             for key, fn in impls.items():  # interleaved
                 dist.barrier()
                 t0 = time.perf_counter()
@@ -327,7 +330,7 @@ def main() -> None:
                         help="time only this payload (repeatable), one of: " + "; ".join(repr(p) for p in PAYLOADS)
                         + ". Prints the table and writes nothing, like --world")
     parser.add_argument("--world", action="append", type=int, help="time only this world size (repeatable; "
-                        "default 2, 4, 8)")
+                        "default 2, 4, 8, 16)")
     parser.add_argument("--save", action="store_true", help="write into benchmarks/results/ (the README's "
                         "figures) instead of benchmarks/out/")
     args = parser.parse_args()
@@ -342,7 +345,7 @@ def main() -> None:
     if partial:
         args.no_plot = args.no_memory = True
     rows: list[dict[str, Any]] = []
-    worlds = args.world or (2, 4, 8)
+    worlds = args.world or (2, 4, 8, 16)
     ops = ("all_gather", "gather", "broadcast", "scatter")
 
     def cases_at(world: int) -> list[tuple[str, str, int]]:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from distcomm import _frame
+from distcomm import Communicator, _frame
 from distcomm.testing import FakeCommunicator
 
 MiB = 1 << 20
@@ -100,13 +100,15 @@ class SimCommunicator(FakeCommunicator):
 
 
 def call(comm: Any, op: str, obj: Any, objs: list[Any]) -> Callable[[], Any]:
+    """One collective through the base class's method: the pipeline a gloo rank runs, without the
+    FakeCommunicator's recording of calls (test bookkeeping no real communicator does)."""
     if op == "all_gather":
-        return lambda: comm.all_gather(obj)
+        return lambda: Communicator.all_gather(comm, obj)
     if op == "gather":
-        return lambda: comm.gather(obj, dst=0)
+        return lambda: Communicator.gather(comm, obj, dst=0)
     if op == "broadcast":
-        return lambda: comm.broadcast(obj, src=0)
-    return lambda: comm.scatter(objs if comm.rank == 0 else None, src=0)
+        return lambda: Communicator.broadcast(comm, obj, src=0)
+    return lambda: Communicator.scatter(comm, objs if comm.rank == 0 else None, src=0)
 
 
 def distcomm_time(world: int, rank: int, op: str, name: str, reps: int) -> tuple[float, int]:

@@ -7,6 +7,12 @@ default: one small exchange comparing dtypes and shapes first), distcomm with ch
 torch.distributed.all_reduce / all_gather_into_tensor on the communicator's own group. Times are
 medians over interleaved repetitions, each the slowest rank's time of a batch of calls back to back
 divided by the batch. Prints a markdown table; writes nothing.
+
+Beside wall time, each call's CPU time on the calling thread (``time.thread_time``): the Python and
+C++ a rank runs to issue the collective and wait for it. gloo moves the bytes on its own threads and
+a blocked wait costs no CPU, so the difference between distcomm and torch in this column is the
+work distcomm adds to every call, free of the transport's noise that swamps wall-time differences
+of a few microseconds on a loaded machine.
 """
 
 from __future__ import annotations
@@ -58,18 +64,21 @@ def worker(rank: int, world: int, port: int, quick: bool, out: str) -> None:
             batch = 20 if numel < 1024 else 2
             reps = (40 if quick else 150) if numel < 1024 else (15 if quick else 50)
             times: dict[str, list[float]] = {k: [] for k in fns}
+            cpu: dict[str, list[float]] = {k: [] for k in fns}
             for _ in range(reps):
                 for key, fn in fns.items():
                     dist.barrier()
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.thread_time()
                     for _ in range(batch):
                         fn()
+                    cpu[key].append((time.thread_time() - c0) / batch)
                     times[key].append((time.perf_counter() - t0) / batch)
             everyone: list[Any] = [None] * world
-            dist.all_gather_object(everyone, times)
+            dist.all_gather_object(everyone, (times, cpu))
             if rank == 0:
-                slowest = {k: statistics.median(max(t[k][i] for t in everyone) for i in range(reps)) for k in times}
-                rows.append({"op": op, "size": label, "world": world, "median_s": slowest})
+                slowest = {k: statistics.median(max(t[k][i] for t, _ in everyone) for i in range(reps)) for k in times}
+                busiest = {k: max(statistics.median(c[k]) for _, c in everyone) for k in cpu}
+                rows.append({"op": op, "size": label, "world": world, "median_s": slowest, "cpu_s": busiest})
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
     comm.close()
@@ -88,7 +97,8 @@ def main() -> None:
         f"distcomm tensor collectives vs torch.distributed on the same gloo group, 127.0.0.1 "
         f"({os.cpu_count()} CPU cores, torch {torch.__version__}, {'quick' if args.quick else 'full'} run)", "",
         "| op | size per rank | world | distcomm | check=False | torch | overhead (check=False) | ratio (check=False) "
-        "| overhead (checked) |", "|---|---|---|---|---|---|---|---|---|"]
+        "| overhead (checked) | CPU per call: check=False / torch | CPU added (check=False) | CPU added (checked) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
         for world in args.world or [2, 4]:
@@ -98,8 +108,13 @@ def main() -> None:
             for r in json.loads(Path(out).read_text()):
                 m = r["median_s"]
                 d, n, t = m["distcomm"], m["distcomm check=False"], m["torch"]
+                c = r["cpu_s"]
+                cd, cn, ct = c["distcomm"], c["distcomm check=False"], c["torch"]
                 lines.append(f"| {r['op']} | {r['size']} | {r['world']} | {fmt(d)} | {fmt(n)} | {fmt(t)} "
-                             f"| {(n - t) * 1e6:+.0f} µs | {n / t:.2f} | {(d - t) * 1e6:+.0f} µs |")
+                             f"| {(n - t) * 1e6:+.0f} µs | {n / t:.2f} | {(d - t) * 1e6:+.0f} µs "
+                             f"| {fmt(cn)} / {fmt(ct)} "
+                             f"| {(cn - ct) * 1e6:+.1f} µs ({(cn - ct) / t:.1%} of torch's time) "
+                             f"| {(cd - ct) * 1e6:+.1f} µs |")
     print("\n".join(lines))
 
 

@@ -1350,14 +1350,17 @@ class Communicator(abc.ABC):
         st.serialize_s += t1 - t0
 
         raw = self._allgather_slots(slot, size, timeout)
-        try:
-            heads = _frame.headers(raw, self.world_size, size)
-        except FrameError as e:
-            raise FrameError(f"{op.label} #{seq}: a slot is corrupt: {e}", op=op.label) from e
         slots = _Slots(raw, size, self.rank, mine)
-        self._agree(op, seq, root, heads, slots, message, timeout)
-        if on_digest_mismatch is not None and (heads["digest"] != heads["digest"][0]).any():
-            on_digest_mismatch()
+        cap = self.max_bytes if op is not _SETUP else None  # set-up precedes agreement on max_bytes
+        # the common case in a few comparisons; anything else goes through the full check, which names it
+        if not _frame.agreed(raw, self.world_size, size, slot, digests=on_digest_mismatch is not None, cap=cap):
+            try:
+                heads = _frame.headers(raw, self.world_size, size)
+            except FrameError as e:
+                raise FrameError(f"{op.label} #{seq}: a slot is corrupt: {e}", op=op.label) from e
+            self._agree(op, seq, root, heads, slots, message, timeout)
+            if on_digest_mismatch is not None and (heads["digest"] != heads["digest"][0]).any():
+                on_digest_mismatch()
         if not serialize:
             st.transfer_s += time.perf_counter() - t1
             return [] if inline is None else list(_frame.inline_words(raw, self.world_size, size).tolist())
@@ -1528,7 +1531,7 @@ class Communicator(abc.ABC):
         if not total:
             return segs
         step = max(self._TREE_CHUNK, _frame.aligned(-(-total // self._TREE_MAX_CHUNKS)))
-        chunks = [b[i : i + step] for b in bufs for i in range(0, b.numel(), step)]
+        chunks = [b if b.numel() <= step else b[i : i + step] for b in bufs for i in range(0, b.numel(), step)]
         for i in range(len(chunks) + 1):  # receive chunk i while chunk i - 1 goes on to the children
             sends = [(c, chunks[i - 1]) for c in children] if i else []
             recvs = [(parent, chunks[i])] if parent is not None and i < len(chunks) else []

@@ -10,7 +10,7 @@ segment (``pack`` / ``unpack``).
 Layout (little-endian)::
 
     magic "DCM1" | version u8 | status u8 | op u8 | flags u8 | seq i64 | root i32
-    | nparts u32 | nsegs u32 | digest u64 | total i64                       (header, 40 bytes)
+    | nparts u32 | nsegs u32 | digest u64 | total i64                       (header, 44 bytes)
     | nparts x u32 segment count per part
     | nsegs x i64 entry: size >= 0 travels later; -(size + 1) is inline
     | inline bytes, in segment order
@@ -225,6 +225,56 @@ def headers(raw: memoryview | bytes | bytearray, count: int, slot_size: int) -> 
         decode(memoryview(raw)[i * slot_size : (i + 1) * slot_size])  # raises the precise FrameError
         raise FrameError(f"slot {i} has a malformed header")
     return arr
+
+
+_AGREE = struct.Struct("<QqiIIQq")  # the header as words: magic..flags, seq, root, nparts, nsegs, digest, total
+_FLAGS_BYTE = 0xFF << 56  # the flags byte of the first word: ranks may differ there
+_STATUS_SHIFT = 40
+_PY_AGREE_MAX = 48
+"""Up to this many slots, ``agreed`` reads each header with struct: cheaper than numpy's per-call cost."""
+
+
+def agreed(raw: memoryview | bytes | bytearray, count: int, slot_size: int, mine: bytes | bytearray, *,
+           digests: bool = False, cap: int | None = None) -> bool:
+    """Whether the common case holds: every slot is a well-formed OK header of the same op, call
+    number and root as ``mine`` (this rank's own slot; with ``digests``, the same digest too), with
+    a table that fits and a total of at most ``cap`` bytes.
+
+    The answer is the same on every rank (they all hold the same slots, and when every slot
+    matches this rank's, every rank's matches its own). False sends the caller to the full check
+    (``headers``), which names what is wrong; True means ``headers`` would refuse nothing.
+    """
+    w0, seq, root, _, _, digest, _ = _AGREE.unpack_from(mine, 0)
+    if (w0 >> _STATUS_SHIFT) & 0xFF != OK:
+        return False
+    key = w0 & ~_FLAGS_BYTE
+    room = slot_size - HEADER_SIZE
+    if count <= _PY_AGREE_MAX or slot_size % 8:
+        unpack = _AGREE.unpack_from
+        for i in range(count):
+            a, s, r, nparts, nsegs, d, total = unpack(raw, i * slot_size)
+            if (a & ~_FLAGS_BYTE != key or s != seq or r != root or total < 0 or 4 * nparts + 8 * nsegs > room
+                    or (digests and d != digest) or (cap is not None and total > cap)):
+                return False
+        return True
+    words = np.frombuffer(raw, dtype="<u8", count=count * (slot_size // 8)).reshape(count, slot_size // 8)
+    c2, c3 = words[:, 2], words[:, 3]  # root | nparts << 32; nsegs | digest's low half << 32
+    if not (((words[:, 0] & _NO_FLAGS) == np.uint64(key)).all() and (words[:, 1] == np.uint64(seq & _U64)).all()
+            and ((c2 & _LOW) == np.uint64(root & 0xFFFFFFFF)).all()):
+        return False
+    if digests and not (((c3 >> _32) == np.uint64(digest & 0xFFFFFFFF)).all()
+                        and ((words[:, 4] & _LOW) == np.uint64(digest >> 32)).all()):
+        return False
+    table = (c2 >> _32) * _4 + (c3 & _LOW) * _8
+    if not (table <= room).all() or (words[:, 5] & _SIGN).any():  # total's sign bit: byte 43
+        return False
+    return cap is None or bool(((words[:, 4] >> _32) | ((words[:, 5] & _LOW) << _32) <= np.uint64(cap)).all())
+
+
+_U64 = 2**64 - 1
+_NO_FLAGS = np.uint64(~_FLAGS_BYTE & _U64)
+_LOW, _SIGN = np.uint64(0xFFFFFFFF), np.uint64(1 << 31)
+_32, _4, _8 = np.uint64(32), np.uint64(4), np.uint64(8)
 
 
 @functools.lru_cache(maxsize=256)

@@ -110,3 +110,72 @@ def test_specific_errors() -> None:
         _frame.unpack(memoryview(struct.pack("<I", 10**6)))
     msg = _frame.encode_status(_frame.SERIALIZE_FAILED, 3, 1, 0, "é" * 5000, 512)
     assert _frame.decode(msg).message.startswith("é")
+
+
+def _full_check_passes(raw: bytes, count: int, size: int, mine: bytes, digests: bool, cap: int | None) -> bool:
+    """What ``_Communicator._agree`` accepts after ``headers``: the slow path ``agreed`` stands for."""
+    try:
+        heads = _frame.headers(raw, count, size)
+    except FrameError:
+        return False
+    m = _frame.decode(mine).header
+    same = (heads["op"] == m.op) & (heads["seq"] == m.seq) & (heads["root"] == m.root) & (heads["status"] == _frame.OK)
+    if digests:
+        same &= heads["digest"] == m.digest
+    if cap is not None:
+        same &= heads["total"] <= cap
+    return bool(same.all())
+
+
+@given(count=st.sampled_from([1, 2, 3, 4, 8, 49, 64, 300]), lengths=st.lists(st.integers(0, 120), min_size=300,
+       max_size=300), flips=st.lists(st.tuples(st.integers(0, 299), st.integers(0, 47), st.integers(0, 255)),
+       max_size=3), digests=st.booleans(), cap=st.none() | st.integers(0, 150), me=st.integers(0, 299),
+       status=st.sampled_from([_frame.OK, _frame.INVALID]))
+@settings(max_examples=300, deadline=None)
+def test_agreed_is_the_full_checks_common_case(count: int, lengths: list[int], flips: list[tuple[int, int, int]],
+                                              digests: bool, cap: int | None, me: int, status: int) -> None:
+    """``agreed`` (the per-call fast path: struct up to 48 slots, numpy beyond) says yes only where
+    the full header check and agreement would, and yes to every clean exchange."""
+    size = 4096 if count <= 4 else _frame.HEADER_SLOT
+    me %= count
+    slots = [bytearray(_frame.encode(5, 12, 0, 99, [[memoryview(b"x" * (lengths[i] if i else 10))]], size))
+             for i in range(count)]
+    if status != _frame.OK:
+        slots[me] = _frame.encode_status(status, 5, 12, 0, "boom", size)
+    clean = status == _frame.OK and (cap is None or max(lengths[i] if i else 10 for i in range(count)) <= cap)
+    assert _frame.agreed(b"".join(slots), count, size, bytes(slots[me]), digests=digests, cap=cap) == clean
+    for i, at, value in flips:
+        if i % count != me:
+            slots[i % count][at] = value
+    raw = b"".join(slots)
+    got = _frame.agreed(raw, count, size, bytes(slots[me]), digests=digests, cap=cap)
+    if got:
+        assert _full_check_passes(raw, count, size, bytes(slots[me]), digests, cap)
+
+
+def test_agreed_sees_each_field() -> None:
+    for count in (3, 64):
+        size = 4096 if count <= 4 else _frame.HEADER_SLOT
+        base = _frame.encode(5, 12, 3, 99, [[memoryview(b"x" * 8)]], size)
+        assert _frame.agreed(bytes(base) * count, count, size, base, digests=True, cap=8)
+        others = {
+            "op": _frame.encode(6, 12, 3, 99, [[memoryview(b"x" * 8)]], size),
+            "seq": _frame.encode(5, 13, 3, 99, [[memoryview(b"x" * 8)]], size),
+            "root": _frame.encode(5, 12, 2, 99, [[memoryview(b"x" * 8)]], size),
+            "status": _frame.encode_status(_frame.TOO_LARGE, 5, 12, 3, "big", size),
+            "total": _frame.encode(5, 12, 3, 99, [[memoryview(b"x" * 9)]], size),
+        }
+        for field, slot in others.items():
+            raw = bytes(base) * (count - 1) + bytes(slot)
+            assert not _frame.agreed(raw, count, size, base, cap=8), field
+        flagged = _frame.encode(5, 12, 3, 99, [[memoryview(b"x" * 8)]], size, flags=_frame.PACKED)
+        assert _frame.agreed(bytes(base) * (count - 1) + bytes(flagged), count, size, base)  # flags may differ
+        digest = _frame.encode(5, 12, 3, 98, [[memoryview(b"x" * 8)]], size)
+        assert _frame.agreed(bytes(base) * (count - 1) + bytes(digest), count, size, base)
+        assert not _frame.agreed(bytes(base) * (count - 1) + bytes(digest), count, size, base, digests=True)
+        bad_table = bytearray(base)
+        struct.pack_into("<I", bad_table, 24, 10_000)  # nsegs: a table past the slot
+        assert not _frame.agreed(bytes(base) * (count - 1) + bytes(bad_table), count, size, base)
+        negative = bytearray(base)
+        struct.pack_into("<q", negative, 36, -1)
+        assert not _frame.agreed(bytes(base) * (count - 1) + bytes(negative), count, size, base)
