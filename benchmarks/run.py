@@ -331,6 +331,8 @@ def main() -> None:
                         + ". Prints the table and writes nothing, like --world")
     parser.add_argument("--world", action="append", type=int, help="time only this world size (repeatable; "
                         "default 2, 4, 8, 16)")
+    parser.add_argument("--op", action="append", choices=("all_gather", "gather", "broadcast", "scatter"),
+                        help="time only this collective (repeatable); prints the table and writes nothing, like --world")
     parser.add_argument("--save", action="store_true", help="write into benchmarks/results/ (the README's "
                         "figures) instead of benchmarks/out/")
     args = parser.parse_args()
@@ -339,14 +341,14 @@ def main() -> None:
     tmp = results / "_tmp.json"
     names = list(PAYLOADS)
     rooted = ["dict of 8 floats", "8 MiB array"]  # broadcast and scatter, and every op from 8 ranks
-    partial = bool(args.payload or args.world)
+    partial = bool(args.payload or args.world or args.op)
     if args.payload:
         names = args.payload
     if partial:
         args.no_plot = args.no_memory = True
     rows: list[dict[str, Any]] = []
     worlds = args.world or (2, 4, 8, 16)
-    ops = ("all_gather", "gather", "broadcast", "scatter")
+    ops = tuple(args.op or ("all_gather", "gather", "broadcast", "scatter"))
 
     def cases_at(world: int) -> list[tuple[str, str, int]]:
         return [(n, op, 32 * MiB) for n in names for op in ops

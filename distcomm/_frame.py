@@ -247,6 +247,8 @@ def agreed(raw: memoryview | bytes | bytearray, count: int, slot_size: int, mine
     w0, seq, root, _, _, digest, _ = _AGREE.unpack_from(mine, 0)
     if (w0 >> _STATUS_SHIFT) & 0xFF != OK:
         return False
+    if cap is not None and cap >= 2**63 - 1:  # no total is over it (and numpy's uint64 can't hold every int)
+        cap = None
     key = w0 & ~_FLAGS_BYTE
     room = slot_size - HEADER_SIZE
     if count <= _PY_AGREE_MAX or slot_size % 8:

@@ -173,9 +173,38 @@ def test_agreed_sees_each_field() -> None:
         digest = _frame.encode(5, 12, 3, 98, [[memoryview(b"x" * 8)]], size)
         assert _frame.agreed(bytes(base) * (count - 1) + bytes(digest), count, size, base)
         assert not _frame.agreed(bytes(base) * (count - 1) + bytes(digest), count, size, base, digests=True)
+        nparts = bytearray(base)
+        struct.pack_into("<I", nparts, 20, 1 + (size - _frame.HEADER_SIZE) // 4)  # nparts: a table past the slot
+        assert not _frame.agreed(bytes(base) * (count - 1) + bytes(nparts), count, size, base)
         bad_table = bytearray(base)
         struct.pack_into("<I", bad_table, 24, 10_000)  # nsegs: a table past the slot
         assert not _frame.agreed(bytes(base) * (count - 1) + bytes(bad_table), count, size, base)
         negative = bytearray(base)
         struct.pack_into("<q", negative, 36, -1)
         assert not _frame.agreed(bytes(base) * (count - 1) + bytes(negative), count, size, base)
+
+
+def test_agreed_compares_whole_fields() -> None:
+    """Fields that differ only in their high bits, negative roots and call numbers, totals past
+    32 bits, and caps past what numpy's uint64 holds, in both implementations."""
+    for count in (3, 64):
+        size = 4096 if count <= 4 else _frame.HEADER_SLOT
+        for root, seq in ((-1, 5), (3, -7), (2**31 - 1, 2**62)):
+            base = _frame.encode(5, seq, root, 2**63 + 5, [[memoryview(b"x" * 8)]], size)
+            assert _frame.agreed(bytes(base) * count, count, size, base, digests=True, cap=2**70)
+            for at, fmt, value in ((16, "<i", root ^ (1 << 20)), (8, "<q", seq ^ (1 << 40)),
+                                   (28, "<Q", (2**63 + 5) ^ (1 << 50))):
+                other = bytearray(base)
+                struct.pack_into(fmt, other, at, value)
+                raw = bytes(base) * (count - 1) + bytes(other)
+                assert not _frame.agreed(raw, count, size, base, digests=True), (count, at)
+                assert _full_check_passes(raw, count, size, base, True, None) is False
+        big = bytearray(_frame.encode(5, 1, 0, 0, [], size))
+        struct.pack_into("<q", big, 36, 2**40)  # a total past 32 bits (a segment that travels later)
+        small = _frame.encode(5, 1, 0, 0, [], size)
+        raw = bytes(small) * (count - 1) + bytes(big)
+        for cap in (2**40 - 1, 2**32, 0):  # a check of only the low half would pass the last two
+            assert not _frame.agreed(raw, count, size, small, cap=cap), cap
+        for cap in (2**40, 2**63 - 1, 2**64, 2**70):
+            assert _frame.agreed(raw, count, size, small, cap=cap) == _full_check_passes(raw, count, size, small,
+                                                                                         False, cap), cap
