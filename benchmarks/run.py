@@ -332,7 +332,7 @@ def main() -> None:
     parser.add_argument("--world", action="append", type=int, help="time only this world size (repeatable; "
                         "default 2, 4, 8, 16)")
     parser.add_argument("--op", action="append", choices=("all_gather", "gather", "broadcast", "scatter"),
-                        help="time only this collective (repeatable); prints the table and writes nothing, like --world")
+                        help="time only this collective (repeatable); prints the table, writes nothing")
     parser.add_argument("--save", action="store_true", help="write into benchmarks/results/ (the README's "
                         "figures) instead of benchmarks/out/")
     args = parser.parse_args()
