@@ -1496,40 +1496,69 @@ class Communicator(abc.ABC):
 
     _TREE_CHUNK = 4 << 20
     _TREE_MAX_CHUNKS = 16
+    _BCAST_ONE_BUFFER = 64 << 10
+    """Broadcasts whose bytes after the slots are at most this many travel as one buffer, in one
+    ``_broadcast_buffer`` call: a native broadcast where the transport has one (its tree runs in C++,
+    and its root sends log2(world) copies, at most 640 KiB at 1,024 ranks). Larger ones go down
+    ``_tree_broadcast``'s binary tree, whose root sends at most two copies."""
 
     def _tree_broadcast(
         self, root: int, slot: _frame.Slot, parts: list[list[memoryview]], timeout: float | None
     ) -> list[_Seg]:
-        """Move the root's segments that didn't fit its slot down a binary tree, in pipelined chunks.
+        """Move the root's segments that didn't fit its slot to every rank; returns this rank's
+        segments (receivers: inline views and received buffers; the root: nothing it needs)."""
+        if not slot.parts:
+            raise FrameError(f"broadcast: rank {root} sent no parts", op="broadcast", ranks=[root])
+        entries = slot.parts[0]
+        total = sum(n for n, inline in entries if inline is None)
+        me = self.rank
+        if total > self._BCAST_ONE_BUFFER:
+            bufs = []
+            for i, (n, inline) in enumerate(entries):
+                if inline is None:
+                    if me == root:
+                        bufs.append(_byte_tensor(parts[0][i]))
+                    else:
+                        self._check_receivable(n, root, "broadcast")
+                        bufs.append(torch.empty(n, dtype=torch.uint8))
+            self._tree_send(bufs, root, timeout)
+            it = iter(bufs)
+            return [(inline, True) if inline is not None else (_mv(next(it)), False) for n, inline in entries]
+        if not total:
+            return [(inline, True) for _, inline in entries if inline is not None]
+        if me == root:
+            later = [_byte_tensor(parts[0][i]) for i, (_, inline) in enumerate(entries) if inline is None]
+            self._broadcast_buffer(later[0] if len(later) == 1 else torch.cat(later), root, timeout)
+            return []
+        buf = torch.empty(total, dtype=torch.uint8)  # one buffer for the segments that follow the slot
+        self._broadcast_buffer(buf, root, timeout)
+        view, pos, segs = _mv(buf), 0, []
+        for n, inline in entries:
+            if inline is not None:
+                segs.append((inline, True))
+            else:
+                segs.append((view[pos : pos + n], False))
+                pos += n
+        return segs
+
+    def _broadcast_buffer(self, buf: torch.Tensor, root: int, timeout: float | None) -> None:
+        """Copy the root's ``buf`` into every rank's (every rank's is the same size). Here a binary
+        tree of point-to-point messages; transports with a native broadcast use it instead."""
+        self._tree_send([buf], root, timeout)
+
+    def _tree_send(self, bufs: list[torch.Tensor], root: int, timeout: float | None) -> None:
+        """Send the root's ``bufs`` into every rank's down a binary tree, in pipelined chunks.
 
         Ranks are numbered from the root (v = rank - root); v's parent is (v - 1) // 2 and its
         children 2v + 1 and 2v + 2. Each rank receives every byte once and sends it to at most two
         children, so the root sends at most twice the payload at any world size, and a chunk is
-        forwarded while the next one arrives. Returns this rank's segments (receivers: inline views
-        and exact-size received buffers).
+        forwarded while the next one arrives.
         """
-        world, me = self.world_size, self.rank
-        if not slot.parts:
-            raise FrameError(f"broadcast: rank {root} sent no parts", op="broadcast", ranks=[root])
-        entries = slot.parts[0]
-        v = (me - root) % world
+        world = self.world_size
+        v = (self.rank - root) % world
         parent = None if v == 0 else ((v - 1) // 2 + root) % world
         children = [(c + root) % world for c in (2 * v + 1, 2 * v + 2) if c < world]
-        segs: list[_Seg] = []
-        bufs: list[torch.Tensor] = []
-        for i, (n, inline) in enumerate(entries):
-            if inline is not None:
-                segs.append((inline, True))
-            elif parent is None:
-                bufs.append(_byte_tensor(parts[0][i]))
-            else:
-                self._check_receivable(n, root, "broadcast")
-                buf = torch.empty(n, dtype=torch.uint8)
-                segs.append((_mv(buf), False))
-                bufs.append(buf)
         total = sum(b.numel() for b in bufs)
-        if not total:
-            return segs
         step = max(self._TREE_CHUNK, _frame.aligned(-(-total // self._TREE_MAX_CHUNKS)))
         chunks = [b if b.numel() <= step else b[i : i + step] for b in bufs for i in range(0, b.numel(), step)]
         for i in range(len(chunks) + 1):  # receive chunk i while chunk i - 1 goes on to the children
@@ -1537,7 +1566,6 @@ class Communicator(abc.ABC):
             recvs = [(parent, chunks[i])] if parent is not None and i < len(chunks) else []
             if sends or recvs:
                 self._xchg(sends, recvs, timeout)
-        return segs
 
     def _check_receivable(self, size: int, src: int, label: str) -> None:
         """Refuse, before allocating, a segment larger than this machine's memory.

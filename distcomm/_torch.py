@@ -451,6 +451,20 @@ class _TorchCommunicator(Communicator):
             self._fail(e, timeout)
         self._wait([work], timeout)
 
+    def _broadcast_buffer(self, buf: torch.Tensor, root: int, timeout: float | None) -> None:
+        # gloo's broadcast: one post, a binomial tree in C++ (rank v from the root forwards to v + 2**k
+        # for every 2**k > v), counted as such
+        world, v = self._world, (self._rank - root) % self._world
+        children = sum(1 for k in range(world.bit_length()) if 2**k > v and v + 2**k < world)
+        n = buf.numel()
+        self._count(children * n, 0 if v == 0 else n)
+        opts = self._opts("BroadcastOptions", timeout, root=root)
+        try:
+            work = self._obj_group.broadcast([buf], opts)
+        except Exception as e:
+            self._fail(e, timeout)
+        self._wait([work], timeout)
+
     def _reduce_tensor(self, tensor: torch.Tensor, dst: int | None, timeout: float | None) -> None:
         self._tensor_reduce(tensor, dst, "sum", timeout)
 

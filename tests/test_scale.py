@@ -127,3 +127,52 @@ def test_tree_broadcast_in_chunks(world_size: int) -> None:
     a = np.arange(3 * MiB // 8, dtype=np.float64)
     want = [float(a.sum()), float(torch.arange(MiB // 4, dtype=torch.float32).sum()), float(a[-1])]
     assert results == [want] * world_size
+
+
+def _small_broadcast(comm: distcomm.Communicator) -> dict[str, Any]:
+    """A broadcast too big for the slots and small enough to travel as one buffer: a pickle stream
+    and out-of-band buffers of odd sizes (the serializer's threshold lowered to 1 KiB), which land
+    in that buffer at unaligned offsets and are copied out to aligned memory of their own."""
+    root = comm.world_size - 2
+    payload = {"a": np.arange(1001, dtype=np.float64), "b": np.arange(1037, dtype=np.int8),
+               "t": torch.arange(3001, dtype=torch.float32), "s": "x" * 5000}
+    segments = comm.serializer.dumps(payload)
+    assert len(segments) == 4 and sum(s.nbytes for s in segments) < distcomm.Communicator._BCAST_ONE_BUFFER
+    comm.reset_stats()
+    got = comm.broadcast(payload if comm.rank == root else None, src=root)
+    got["a"][0] = -1.0  # a result is the receiver's own, writable
+    return {"sums": [float(got["a"][1:].sum()), int(got["b"].sum()), float(got["t"].sum()), len(got["s"])],
+            "aligned": [got[k].__array_interface__["data"][0] % 64 == 0 if k != "t" else got[k].data_ptr() % 64 == 0
+                        for k in ("a", "b", "t")],
+            "moved": (comm.stats["broadcast"].bytes_sent, comm.stats["broadcast"].bytes_received), "root": root}
+
+
+def _check_small_broadcast(results: list[dict[str, Any]], binomial: bool) -> None:
+    n = len(results)
+    want = [float(np.arange(1001, dtype=np.float64)[1:].sum()), int(np.arange(1037, dtype=np.int8).sum()),
+            float(torch.arange(3001, dtype=torch.float32).sum()), 5000]
+    root = results[0]["root"]
+    slots = (n - 1) * (_frame.HEADER_SLOT if n > _frame.SMALL_WORLD else 4096)
+    later = results[(root + 1) % n]["moved"][1] - slots  # what a receiver got after the slots
+    assert 8 * 1001 + 1037 + 4 * 3001 <= later <= distcomm.Communicator._BCAST_ONE_BUFFER
+    for r, got in enumerate(results):
+        if r != root:
+            assert got["sums"] == want and got["aligned"] == [True, True, True]
+            assert got["moved"][1] == slots + later
+    # the root sends one copy per child: log2(world) children in gloo's binomial tree, 2 in the doubles' tree
+    children = (n - 1).bit_length() if binomial else min(2, n - 1)
+    assert results[root]["moved"][0] == slots + children * later
+
+
+_ONE_KIB_OOB = distcomm.PickleSerializer(oob_threshold=1024)
+
+
+@pytest.mark.parametrize("world_size", [3, 6])
+def test_small_broadcast_travels_as_one_buffer_gloo(world_size: int) -> None:
+    _check_small_broadcast(spawn(_small_broadcast, world_size, timeout=120, serializer=_ONE_KIB_OOB), binomial=True)
+
+
+@pytest.mark.parametrize("world_size", [3, 9])
+def test_small_broadcast_travels_as_one_buffer_threaded(world_size: int) -> None:
+    _check_small_broadcast(run_threaded(_small_broadcast, world_size, timeout=120, serializer=_ONE_KIB_OOB),
+                           binomial=False)
