@@ -4,7 +4,8 @@
 
 For all_reduce and all_gather_tensor, on a gloo group over 127.0.0.1: distcomm with its check (the
 default: one small exchange comparing dtypes and shapes first), distcomm with check=False, and
-torch.distributed.all_reduce / all_gather_into_tensor on the communicator's own group. Times are
+torch.distributed.all_reduce / all_gather_into_tensor on the communicator's own group (into a fresh
+output tensor per call, since all_gather_tensor returns a new tensor). Times are
 medians over interleaved repetitions, each the slowest rank's time of a batch of calls back to back
 divided by the batch. Prints a markdown table; writes nothing.
 
@@ -44,13 +45,21 @@ def impls(comm: distcomm.Communicator, op: str, numel: int) -> dict[str, Callabl
     if op == "all_reduce":
         return {"distcomm": lambda: comm.all_reduce(x), "distcomm check=False": lambda: comm.all_reduce(x, check=False),
                 "torch": lambda: dist.all_reduce(x, group=group)}
-    out = torch.empty(numel * comm.world_size)
+    n = numel * comm.world_size
+
+    def torch_all_gather() -> torch.Tensor:  # a fresh output per call, as all_gather_tensor returns
+        out = torch.empty(n)
+        dist.all_gather_into_tensor(out, x, group=group)
+        return out
+
     return {"distcomm": lambda: comm.all_gather_tensor(x), "distcomm check=False":
-            lambda: comm.all_gather_tensor(x, check=False),
-            "torch": lambda: dist.all_gather_into_tensor(out, x, group=group)}
+            lambda: comm.all_gather_tensor(x, check=False), "torch": torch_all_gather}
 
 
 def worker(rank: int, world: int, port: int, quick: bool, out: str) -> None:
+    import warnings
+
+    warnings.simplefilter("ignore")  # torch's deprecation notice for all_gather_into_tensor, once per rank
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
