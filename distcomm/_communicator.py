@@ -1027,10 +1027,8 @@ class Communicator(abc.ABC):
             except Exception as e:  # reported on every rank
                 sent = [None if d == me else o for d, o in enumerate(objs)]  # this rank's own entry stays here
                 status, problem = _frame.SERIALIZE_FAILED, failure_text(self.serializer, sent, e, "objs")
-        if status == _frame.OK and self.max_bytes is not None:
-            total = sum(lengths)
-            if total > self.max_bytes:
-                status, problem = _frame.TOO_LARGE, f"payload of {total} bytes is over max_bytes={self.max_bytes}"
+        if status == _frame.OK and (over := self._over_max_bytes(sum(lengths))) is not None:
+            status, problem = _frame.TOO_LARGE, over
         self._run(Op.ALL_TO_ALL, -1, objs, t, serialize=False, invalid=problem, invalid_status=status)
         st = self._cur
         t1 = time.perf_counter()
@@ -1267,6 +1265,12 @@ class Communicator(abc.ABC):
                 return [], _frame.SERIALIZE_FAILED, failure_text(self.serializer, list(obj), e, "objs")
             return [], _frame.SERIALIZE_FAILED, failure_text(self.serializer, obj, e)
 
+    def _over_max_bytes(self, total: int) -> str | None:
+        """Why a rank's payload of ``total`` bytes can't be sent (None: it can); reported on every rank."""
+        if self.max_bytes is not None and total > self.max_bytes:
+            return f"payload of {total} bytes is over max_bytes={self.max_bytes}"
+        return None
+
     def _build_slot(
         self, op: Op, seq: int, root: int, digest: int, parts: list[list[memoryview]], size: int
     ) -> tuple[bytearray, list[list[memoryview]]]:
@@ -1313,10 +1317,10 @@ class Communicator(abc.ABC):
             status, message = invalid_status, invalid
         elif serialize:
             parts, status, message = self._serialize_local(op, root, obj)
-            if status == _frame.OK and self.max_bytes is not None and op is not _SETUP:  # set-up precedes agreement
-                total = sum(s.nbytes for p in parts for s in p)
-                if total > self.max_bytes:
-                    status, message = _frame.TOO_LARGE, f"payload of {total} bytes is over max_bytes={self.max_bytes}"
+            if status == _frame.OK and op is not _SETUP:  # set-up precedes agreement on max_bytes
+                over = self._over_max_bytes(sum(s.nbytes for p in parts for s in p))
+                if over is not None:
+                    status, message = _frame.TOO_LARGE, over
         # Counted only now: an interrupt while pickling (KeyboardInterrupt) leaves this rank as if it
         # had never called, instead of one call ahead of its peers.
         elif inline is not None:

@@ -371,3 +371,30 @@ def test_fake_peers_reduce_dict_values_are_checked_as_a_real_peer_checks_its_own
     with pytest.raises(distcomm.CollectiveError, match="rank 2: value of 'loss' is a float, not a tensor") as info:
         comm.all_reduce_dict({"loss": torch.tensor(1.0)})
     assert info.value.ranks == (2,)
+
+
+def _oversized_peer_zero(comm: distcomm.Communicator) -> list[tuple[str, tuple[int, ...], str]]:
+    """Rank 0's payloads are over max_bytes in a scatter and an all_to_all: what every rank raises."""
+    big = [np.zeros(4000, dtype=np.uint8) for _ in range(comm.world_size)]
+    small = [b"x" for _ in range(comm.world_size)]
+    out = []
+    for call in (lambda: comm.scatter(big if comm.rank == 0 else None, src=0),
+                 lambda: comm.all_to_all(big if comm.rank == 0 else small)):
+        try:
+            call()
+            out.append(("returned", (), ""))
+        except distcomm.CollectiveError as e:
+            out.append((type(e).__name__, tuple(e.ranks), str(e).split("\n")[1].strip()))
+    return out
+
+
+def test_fake_peers_are_held_to_max_bytes_as_real_ranks() -> None:
+    """A scripted peer whose scatter or all_to_all payload is over max_bytes fails the call on the
+    rank under test exactly as a real rank over it fails every rank."""
+    real = run_threaded(_oversized_peer_zero, 3, timeout=60, max_bytes=3000)
+    assert real[1] == real[2] == real[0]
+    assert [r[:2] for r in real[1]] == [("PayloadTooLargeError", (0,))] * 2
+    big = [np.zeros(4000, dtype=np.uint8) for _ in range(3)]
+    fake = FakeCommunicator(1, 3, max_bytes=3000,
+                            peers=lambda op, r, obj: big if r == 0 else [b"x"] * 3 if op == "all_to_all" else obj)
+    assert _oversized_peer_zero(fake) == real[1]

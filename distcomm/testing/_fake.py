@@ -204,6 +204,8 @@ class FakeCommunicator(Communicator):
                 f"FakeCommunicator: scatter from src={root} needs the src's list of {self._size} objects: pass "
                 f"it on the rank under test too, or script it with peers=")
         parts, status, message = self._serialize_local(op, root, pobj, rank=r)
+        if status == _frame.OK and (over := self._over_max_bytes(sum(s.nbytes for p in parts for s in p))):
+            status, message = _frame.TOO_LARGE, over  # what the peer's own check would report
         if status != _frame.OK:
             return self._status_slot(r, status, message, size)
         me = self._rank
@@ -236,9 +238,13 @@ class FakeCommunicator(Communicator):
             return self._status_slot(r, _frame.INVALID, f"peer {r} of a FakeCommunicator gave all_to_all "
                                      f"{type(theirs).__name__}, not {self._size} objects", size)
         try:
-            part = _frame.pack(self.serializer.dumps(theirs[self._rank]))
+            segments = [[] if d == r else self.serializer.dumps(o) for d, o in enumerate(theirs)]
         except Exception as e:
             return self._status_slot(r, _frame.SERIALIZE_FAILED, f"{type(e).__name__}: {e}", size)
+        over = self._over_max_bytes(sum(_frame.packed_size(segs) for d, segs in enumerate(segments) if d != r))
+        if over is not None:
+            return self._status_slot(r, _frame.TOO_LARGE, over, size)
+        part = _frame.pack(segments[self._rank])
         self._feed(r, [memoryview(_I64.pack(len(part))), memoryview(part)])
         return _frame.encode(Op.ALL_TO_ALL, self._seq, -1, 0, [], size)
 
