@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from . import _frame
-from ._communicator import DEFAULT_SLOT_BYTES, DEFAULT_TIMEOUT, Communicator, Op, _seconds, _states_table
+from ._communicator import DEFAULT_SLOT_BYTES, DEFAULT_TIMEOUT, Communicator, Op, _exclusive, _seconds, _states_table
 from ._errors import (
     CollectiveError,
     CollectiveTimeoutError,
@@ -177,8 +177,8 @@ class _TorchCommunicator(Communicator):
         self._peer_pids: dict[int, int] = {}  # same-machine peers' pids, from set-up
         self._local_group: Any = self._group
         self._machine_key = _machine_key(machine)
-        try:
-            self._setup(self._machine_key)
+        try:  # as a collective: other ranks' error messages then say this rank is in set-up, and where
+            _exclusive(type(self)._setup)(self, self._machine_key)
         except BaseException:
             self._shutdown()
             raise

@@ -108,3 +108,37 @@ def test_the_site_is_the_users_line_through_helpers_and_for_the_fake() -> None:
     assert comm._done is not None
     label, _, where = comm._done
     assert label == "all_gather" and where[1] == _line("# site: helper call") and where[0] == __file__
+
+
+_LATE_SETUP = """
+import datetime, sys, time
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import distcomm
+
+def main(rank, port):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    if rank == 1:
+        time.sleep(5)  # never creates its communicator in time
+        return
+    try:
+        distcomm.GlooCommunicator(timeout=2)  # SETUP-SITE
+    except distcomm.CollectiveTimeoutError as e:
+        print(str(e), flush=True)
+
+if __name__ == "__main__":
+    mp.start_processes(main, args=(distcomm.free_port(),), nprocs=2, start_method="spawn")
+"""
+
+
+@pytest.mark.slow
+def test_a_timeout_in_set_up_says_set_up_and_where(tmp_path: Any) -> None:
+    import subprocess
+    import sys
+
+    script = tmp_path / "late_setup.py"
+    script.write_text(_LATE_SETUP)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120).stdout
+    line = next(i for i, text in enumerate(_LATE_SETUP.splitlines(), 1) if "SETUP-SITE" in text)
+    assert _per_rank(out)[0] == f"in setup #1 at late_setup.py:{line}", out
