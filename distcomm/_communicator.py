@@ -1516,24 +1516,23 @@ class Communicator(abc.ABC):
         entries = slot.parts[0]
         total = sum(n for n, inline in entries if inline is None)
         me = self.rank
-        if total > self._BCAST_ONE_BUFFER:
-            bufs = []
-            for i, (n, inline) in enumerate(entries):
-                if inline is None:
-                    if me == root:
-                        bufs.append(_byte_tensor(parts[0][i]))
-                    else:
-                        self._check_receivable(n, root, "broadcast")
-                        bufs.append(torch.empty(n, dtype=torch.uint8))
-            self._tree_send(bufs, root, timeout)
-            it = iter(bufs)
-            return [(inline, True) if inline is not None else (_mv(next(it)), False) for n, inline in entries]
-        if not total:
-            return [(inline, True) for _, inline in entries if inline is not None]
         if me == root:
             later = [_byte_tensor(parts[0][i]) for i, (_, inline) in enumerate(entries) if inline is None]
-            self._broadcast_buffer(later[0] if len(later) == 1 else torch.cat(later), root, timeout)
+            if total > self._BCAST_ONE_BUFFER:
+                self._tree_send(later, root, timeout)
+            elif total:
+                self._broadcast_buffer(later[0] if len(later) == 1 else torch.cat(later), root, timeout)
             return []
+        if total > self._BCAST_ONE_BUFFER:  # exact-size buffers of their own, down the binary tree
+            for n, inline in entries:
+                if inline is None:
+                    self._check_receivable(n, root, "broadcast")
+            bufs = [torch.empty(n, dtype=torch.uint8) for n, inline in entries if inline is None]
+            self._tree_send(bufs, root, timeout)
+            it = iter(bufs)
+            return [(inline, True) if inline is not None else (_mv(next(it)), False) for _, inline in entries]
+        if not total:
+            return [(inline, True) for _, inline in entries if inline is not None]
         buf = torch.empty(total, dtype=torch.uint8)  # one buffer for the segments that follow the slot
         self._broadcast_buffer(buf, root, timeout)
         view, pos, segs = _mv(buf), 0, []

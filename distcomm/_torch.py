@@ -329,9 +329,10 @@ class _TorchCommunicator(Communicator):
         for w in works:
             while True:
                 left = None if deadline is None else deadline - time.monotonic()
-                last = left is not None and left <= self._SLICE
+                step = slice_td if left is None or left > self._SLICE else _timedelta(max(left, 0.001))
+                last = step is not slice_td
                 try:
-                    w.wait(_timedelta(max(left, 0.001)) if last else slice_td)  # type: ignore[type-var]
+                    w.wait(step)
                     break
                 except RuntimeError as e:  # a slice ran out ("Operation timed out!"), or the transport failed
                     if last or "timed out" not in str(e).lower():
