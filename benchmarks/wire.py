@@ -33,6 +33,7 @@ CASES = [
     "torch all_gather_object (dict of 8 floats)", "distcomm all_gather (dict of 8 floats)",
     "torch gather_object (dict of 8 floats)", "distcomm gather (dict of 8 floats)",
     "torch broadcast_object_list (8 MiB array)", "distcomm broadcast (8 MiB array)",
+    "torch broadcast_object_list (dict of 8 floats)", "distcomm broadcast (dict of 8 floats)",
     "distcomm scatter (dict of 8 floats)",
 ]
 
@@ -94,6 +95,8 @@ def _case(name: str, comm: Any) -> Callable[[], Any]:
         "distcomm gather (dict of 8 floats)": lambda: comm.gather(small),
         "torch broadcast_object_list (8 MiB array)": lambda: dist.broadcast_object_list([big], src=0),
         "distcomm broadcast (8 MiB array)": lambda: comm.broadcast(big, src=0),
+        "torch broadcast_object_list (dict of 8 floats)": lambda: dist.broadcast_object_list([small], src=0),
+        "distcomm broadcast (dict of 8 floats)": lambda: comm.broadcast(small, src=0),
         "distcomm scatter (dict of 8 floats)": lambda: comm.scatter([small] * comm.world_size if r == 0 else None),
     }
     return table[name]
