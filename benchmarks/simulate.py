@@ -87,27 +87,24 @@ class SimCommunicator(FakeCommunicator):
         self.posts += len(sends) + len(recvs)
         self.transport_s += time.thread_time() - t0
 
-    def _alltoallv(self, send: torch.Tensor, send_counts: list[int], recv: torch.Tensor, recv_counts: list[int],
-                   timeout: float | None) -> None:
+    def _one_post(self, move: Callable[[], None]) -> None:
+        """A transport step gloo runs as one native call (its messages posted in C++): one post,
+        its whole time taken out as transport."""
         t0 = time.thread_time()
         self._native = True
         try:
-            super()._alltoallv(send, send_counts, recv, recv_counts, timeout)
-        finally:
-            self._native = False
-        self.posts += 1  # one native post
-        self.transport_s += time.thread_time() - t0
-
-
-    def _broadcast_buffer(self, buf: torch.Tensor, root: int, timeout: float | None) -> None:
-        t0 = time.thread_time()  # gloo runs it as one native broadcast: one post, its tree in C++
-        self._native = True
-        try:
-            super()._broadcast_buffer(buf, root, timeout)
+            move()
         finally:
             self._native = False
         self.posts += 1
         self.transport_s += time.thread_time() - t0
+
+    def _alltoallv(self, send: torch.Tensor, send_counts: list[int], recv: torch.Tensor, recv_counts: list[int],
+                   timeout: float | None) -> None:
+        self._one_post(lambda: FakeCommunicator._alltoallv(self, send, send_counts, recv, recv_counts, timeout))
+
+    def _broadcast_buffer(self, buf: torch.Tensor, root: int, timeout: float | None) -> None:
+        self._one_post(lambda: FakeCommunicator._broadcast_buffer(self, buf, root, timeout))
 
 
 def call(comm: Any, op: str, obj: Any, objs: list[Any]) -> Callable[[], Any]:
