@@ -170,6 +170,15 @@ class _Slots:
         return got
 
 
+def _all_to_all_problem(objs: Any, world: int) -> str | None:
+    """What is wrong with a rank's all_to_all list (None: nothing); reported on every rank."""
+    if objs is None or isinstance(objs, (str, bytes)) or not isinstance(objs, Sequence):
+        return f"all_to_all needs a sequence of {world} objects, got {type(objs).__name__}"
+    if len(objs) != world:
+        return f"all_to_all got {len(objs)} objects for world_size {world}"
+    return None
+
+
 def _seconds(timeout: float | datetime.timedelta | None, default: float | None) -> float | None:
     if timeout is None:
         return default
@@ -1008,11 +1017,7 @@ class Communicator(abc.ABC):
         self._check_usable()
         t = self._op_timeout(timeout)
         world, me = self.world_size, self.rank
-        problem = None
-        if objs is None or isinstance(objs, (str, bytes)) or not isinstance(objs, Sequence):
-            problem = f"all_to_all needs a sequence of {world} objects, got {type(objs).__name__}"
-        elif len(objs) != world:
-            problem = f"all_to_all got {len(objs)} objects for world_size {world}"
+        problem = _all_to_all_problem(objs, world)
         if world == 1 and self._alone:
             if problem:
                 raise self._alone_error(Op.ALL_TO_ALL, problem)

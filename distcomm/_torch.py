@@ -182,6 +182,7 @@ class _TorchCommunicator(Communicator):
         except BaseException:
             self._shutdown()
             raise
+        self._done = None  # "last returned" names the user's collectives, not set-up
 
     # ------------------------------------------------------------------ set-up
     def _check_backend(self, backend: str) -> None:

@@ -142,3 +142,10 @@ def test_a_timeout_in_set_up_says_set_up_and_where(tmp_path: Any) -> None:
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120).stdout
     line = next(i for i, text in enumerate(_LATE_SETUP.splitlines(), 1) if "SETUP-SITE" in text)
     assert _per_rank(out)[0] == f"in setup #1 at late_setup.py:{line}", out
+
+
+def test_set_up_is_not_a_users_last_collective() -> None:
+    """Set-up runs as a collective (its timeouts name it), but a rank's state names only the user's
+    collectives as the last one returned."""
+    states = spawn(lambda comm: comm._state(), 2, timeout=60, reuse=False)  # a world that ran nothing yet
+    assert states == ["not in a collective", "not in a collective"]

@@ -398,3 +398,25 @@ def test_fake_peers_are_held_to_max_bytes_as_real_ranks() -> None:
     fake = FakeCommunicator(1, 3, max_bytes=3000,
                             peers=lambda op, r, obj: big if r == 0 else [b"x"] * 3 if op == "all_to_all" else obj)
     assert _oversized_peer_zero(fake) == real[1]
+
+
+def _bad_all_to_all(comm: distcomm.Communicator) -> list[tuple[str, tuple[int, ...], str]]:
+    """Rank 0 gives all_to_all an object that can't be pickled, then a list of the wrong length."""
+    out = []
+    for bad in ([1, threading.Lock(), 3], [1, 2]):
+        try:
+            comm.all_to_all(bad if comm.rank == 0 else [1, 2, 3])
+            out.append(("returned", (), ""))
+        except distcomm.CollectiveError as e:
+            out.append((type(e).__name__, tuple(e.ranks), str(e).split("\n", 1)[1]))
+    return out
+
+
+def test_fake_all_to_all_peers_fail_with_a_real_ranks_message() -> None:
+    ser = distcomm.PickleSerializer(cloudpickle_fallback=False)
+    real = run_threaded(_bad_all_to_all, 3, timeout=60, serializer=ser)
+    assert real[0] == real[1] == real[2]
+    assert "(at objs[1], a _thread.lock)" in real[1][0][2] and "got 2 objects for world_size 3" in real[1][1][2]
+    rank0 = iter([[1, threading.Lock(), 3], [1, 2]])  # scripted rank 0: one list per call
+    fake = FakeCommunicator(1, 3, serializer=ser, peers=lambda op, r, obj: next(rank0) if r == 0 else obj)
+    assert _bad_all_to_all(fake) == real[1]

@@ -19,11 +19,13 @@ from .._communicator import (
     _ROUTE,
     Communicator,
     Op,
+    _all_to_all_problem,
     _dict_problem,
     _dict_signature,
     _reduce_digest,
     _tensor_fields,
 )
+from .._serialization import failure_text
 
 __all__ = ["Call", "FakeCommunicator"]
 
@@ -234,13 +236,14 @@ class FakeCommunicator(Communicator):
     def _all_to_all_slot(self, r: int, objs: Any, size: int) -> bytearray:
         """Peer r's all_to_all: its slot, then its part's size and its part for the rank under test."""
         theirs = self._peers("all_to_all", r, objs)
-        if isinstance(theirs, (str, bytes)) or not isinstance(theirs, Sequence) or len(theirs) != self._size:
-            return self._status_slot(r, _frame.INVALID, f"peer {r} of a FakeCommunicator gave all_to_all "
-                                     f"{type(theirs).__name__}, not {self._size} objects", size)
+        problem = _all_to_all_problem(theirs, self._size)  # what that rank's own check would report
+        if problem is not None:
+            return self._status_slot(r, _frame.INVALID, problem, size)
         try:
             segments = [[] if d == r else self.serializer.dumps(o) for d, o in enumerate(theirs)]
         except Exception as e:
-            return self._status_slot(r, _frame.SERIALIZE_FAILED, f"{type(e).__name__}: {e}", size)
+            sent = [None if d == r else o for d, o in enumerate(theirs)]  # that rank's own entry stays there
+            return self._status_slot(r, _frame.SERIALIZE_FAILED, failure_text(self.serializer, sent, e, "objs"), size)
         over = self._over_max_bytes(sum(_frame.packed_size(segs) for d, segs in enumerate(segments) if d != r))
         if over is not None:
             return self._status_slot(r, _frame.TOO_LARGE, over, size)
