@@ -1360,14 +1360,15 @@ class Communicator(abc.ABC):
 
         raw = self._allgather_slots(slot, size, timeout)
         slots = _Slots(raw, size, self.rank, mine)
-        cap = self.max_bytes if op is not _SETUP else None  # set-up precedes agreement on max_bytes
+        # max_bytes caps serialized payloads (set-up precedes agreement on it; inline words aren't payloads)
+        cap = self.max_bytes if serialize and op is not _SETUP else None
         # the common case in a few comparisons; anything else goes through the full check, which names it
         if not _frame.agreed(raw, self.world_size, size, slot, digests=on_digest_mismatch is not None, cap=cap):
             try:
                 heads = _frame.headers(raw, self.world_size, size)
             except FrameError as e:
                 raise FrameError(f"{op.label} #{seq}: a slot is corrupt: {e}", op=op.label) from e
-            self._agree(op, seq, root, heads, slots, message, timeout)
+            self._agree(op, seq, root, heads, slots, message, timeout, cap)
             if on_digest_mismatch is not None and (heads["digest"] != heads["digest"][0]).any():
                 on_digest_mismatch()
         if not serialize:
@@ -1626,7 +1627,7 @@ class Communicator(abc.ABC):
         return None
 
     def _agree(self, op: Op, seq: int, root: int, heads: Any, slots: _Slots, message: str,
-               timeout: float | None) -> None:
+               timeout: float | None, cap: int | None) -> None:
         """Raise the same error on every rank when ranks disagree or any rank failed.
 
         The common case is a few comparisons over the header array; rows are built for errors only.
@@ -1649,8 +1650,8 @@ class Communicator(abc.ABC):
                 ranks=odd)
         bad = heads["status"] != _frame.OK
         if not bad.any():
-            if self.max_bytes is not None and op is not _SETUP:  # a peer that skipped its check: refused alike
-                over = np.flatnonzero(heads["total"] > self.max_bytes).tolist()
+            if cap is not None:  # a peer that skipped its check: refused alike
+                over = np.flatnonzero(heads["total"] > cap).tolist()
                 if over:
                     raise PayloadTooLargeError(
                         f"{op.label} #{seq}: rank{'s' if len(over) > 1 else ''} {', '.join(map(str, over))} "

@@ -420,3 +420,20 @@ def test_fake_all_to_all_peers_fail_with_a_real_ranks_message() -> None:
     rank0 = iter([[1, threading.Lock(), 3], [1, 2]])  # scripted rank 0: one list per call
     fake = FakeCommunicator(1, 3, serializer=ser, peers=lambda op, r, obj: next(rank0) if r == 0 else obj)
     assert _bad_all_to_all(fake) == real[1]
+
+
+def test_max_bytes_caps_payloads_not_the_checks_own_words() -> None:
+    """A tiny max_bytes refuses objects, not the 8-byte words that checked tensor collectives and
+    reduce_dict carry in their slots."""
+    def fn(comm: distcomm.Communicator) -> tuple[float, float, str]:
+        x = comm.all_reduce(torch.ones(2))
+        d = comm.reduce_dict({"a": torch.tensor(1.0)}, average=False)
+        comm.synchronize()
+        try:
+            comm.all_gather(1)
+            outcome = "returned"
+        except distcomm.PayloadTooLargeError:
+            outcome = "refused"
+        return float(x.sum()), float(d["a"]) if comm.rank == 0 else 0.0, outcome
+
+    assert run_threaded(fn, 2, timeout=60, max_bytes=4) == [(4.0, 2.0, "refused"), (4.0, 0.0, "refused")]
