@@ -48,11 +48,6 @@ def _timedelta(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
-@functools.lru_cache(maxsize=8)
-def _slice(seconds: float) -> datetime.timedelta:
-    return datetime.timedelta(seconds=seconds)
-
-
 def _td(seconds: float | None) -> datetime.timedelta | None:
     return None if seconds is None else datetime.timedelta(seconds=seconds)
 
@@ -325,18 +320,16 @@ class _TorchCommunicator(Communicator):
 
     def _wait_sliced(self, works: list[Any], timeout: float | None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
-        slice_td = _slice(self._SLICE)
         seen: dict[int, float] = {}
         for w in works:
             while True:
                 left = None if deadline is None else deadline - time.monotonic()
-                step = slice_td if left is None or left > self._SLICE else _timedelta(max(left, 0.001))
-                last = step is not slice_td
+                step = self._SLICE if left is None or left > self._SLICE else max(left, 0.001)
                 try:
-                    w.wait(step)
+                    w.wait(_timedelta(step))
                     break
                 except RuntimeError as e:  # a slice ran out ("Operation timed out!"), or the transport failed
-                    if last or "timed out" not in str(e).lower():
+                    if (left is not None and left <= self._SLICE) or "timed out" not in str(e).lower():
                         raise
                 self._check_peers(self._peer_pids, seen)
 
