@@ -1363,7 +1363,16 @@ class Communicator(abc.ABC):
         # max_bytes caps serialized payloads (set-up precedes agreement on it; inline words aren't payloads)
         cap = self.max_bytes if serialize and op is not _SETUP else None
         # the common case in a few comparisons; anything else goes through the full check, which names it
-        if not _frame.agreed(raw, self.world_size, size, slot, digests=on_digest_mismatch is not None, cap=cap):
+        # the slot every rank but ``odd`` sends when all is well, where it is known: compared as bytes
+        common: bytes | bytearray | None = None
+        odd = -1
+        if kind is _BROADCAST and status == _frame.OK:
+            common = slot if self.rank != root else _frame.encode(op, seq, root, digest, [], size)
+            odd = root
+        elif kind is _SCATTER or (not serialize and inline is None):
+            common = slot
+        if not _frame.agreed(raw, self.world_size, size, slot, digests=on_digest_mismatch is not None, cap=cap,
+                             common=common, odd=odd):
             try:
                 heads = _frame.headers(raw, self.world_size, size)
             except FrameError as e:

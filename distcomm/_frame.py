@@ -232,13 +232,22 @@ _FLAGS_BYTE = 0xFF << 56  # the flags byte of the first word: ranks may differ t
 _STATUS_SHIFT = 40
 _PY_AGREE_MAX = 48
 """Up to this many slots, ``agreed`` reads each header with struct: cheaper than numpy's per-call cost."""
+_UNIFORM_MIN = 16
+"""Beyond this many slots, a ``common`` slot is compared as bytes (a few microseconds at any count)."""
 
 
 def agreed(raw: memoryview | bytes | bytearray, count: int, slot_size: int, mine: bytes | bytearray, *,
-           digests: bool = False, cap: int | None = None) -> bool:
+           digests: bool = False, cap: int | None = None, common: bytes | bytearray | None = None,
+           odd: int = -1) -> bool:
     """Whether the common case holds: every slot is a well-formed OK header of the same op, call
     number and root as ``mine`` (this rank's own slot; with ``digests``, the same digest too), with
     a table that fits and a total of at most ``cap`` bytes.
+
+    ``common``: the slot every rank but ``odd`` (-1: every rank) sends when all goes well, where
+    the caller knows it (a broadcast's non-roots, scatter, a barrier). Beyond ``_UNIFORM_MIN``
+    slots, those are then compared as bytes, in C, and only ``common`` and slot ``odd`` are read
+    field by field: a 1,024-rank broadcast checks its 64 KiB of slots in about 10 microseconds.
+    Slots that differ from ``common`` fall back to the field-by-field check.
 
     The answer is the same on every rank (they all hold the same slots, and when every slot
     matches this rank's, every rank's matches its own). False sends the caller to the full check
@@ -249,6 +258,11 @@ def agreed(raw: memoryview | bytes | bytearray, count: int, slot_size: int, mine
         return False
     if cap is not None and cap >= 2**63 - 1:  # no total is over it (and numpy's uint64 can't hold every int)
         cap = None
+    if common is not None and count > _UNIFORM_MIN and len(common) == slot_size \
+            and _uniform(raw, count, slot_size, common, odd):
+        return agreed(common, 1, slot_size, mine, digests=digests, cap=cap) and (
+            odd < 0 or agreed(memoryview(raw)[odd * slot_size : (odd + 1) * slot_size], 1, slot_size, mine,
+                              digests=digests, cap=cap))
     key = w0 & ~_FLAGS_BYTE
     room = slot_size - HEADER_SIZE
     if count <= _PY_AGREE_MAX or slot_size % 8:
@@ -271,6 +285,19 @@ def agreed(raw: memoryview | bytes | bytearray, count: int, slot_size: int, mine
     if not (table <= room).all() or (words[:, 5] & _SIGN).any():  # total's sign bit: byte 43
         return False
     return cap is None or bool(((words[:, 4] >> _32) | ((words[:, 5] & _LOW) << _32) <= np.uint64(cap)).all())
+
+
+def _uniform(raw: memoryview | bytes | bytearray, count: int, slot_size: int, common: bytes | bytearray,
+             odd: int) -> bool:
+    """Whether every slot but ``odd`` is ``common``, byte for byte (memcmp, no Python per slot)."""
+    data = raw if isinstance(raw, (bytes, bytearray)) else bytes(raw)
+    if len(data) < count * slot_size:
+        return False
+    rep = memoryview(bytes(common) * count)
+    if odd < 0:
+        return data.startswith(rep)
+    return data.startswith(rep[: odd * slot_size]) and data.startswith(rep[(odd + 1) * slot_size :],
+                                                                       (odd + 1) * slot_size)
 
 
 _U64 = 2**64 - 1

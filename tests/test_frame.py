@@ -208,3 +208,48 @@ def test_agreed_compares_whole_fields() -> None:
         for cap in (2**40, 2**63 - 1, 2**64, 2**70):
             assert _frame.agreed(raw, count, size, small, cap=cap) == _full_check_passes(raw, count, size, small,
                                                                                          False, cap), cap
+
+
+@given(count=st.sampled_from([2, 17, 64, 300]), odd=st.integers(-1, 299), length=st.integers(0, 120),
+       flips=st.lists(st.tuples(st.integers(0, 299), st.integers(0, 63), st.integers(0, 255)), max_size=3),
+       digests=st.booleans(), cap=st.none() | st.integers(0, 150), me=st.integers(0, 299))
+@settings(max_examples=300, deadline=None)
+def test_agreed_with_a_common_slot_is_the_same_check(count: int, odd: int, length: int,
+                                                     flips: list[tuple[int, int, int]], digests: bool,
+                                                     cap: int | None, me: int) -> None:
+    """The bytes path (every slot but ``odd`` compared with ``common``) answers as the field-by-field
+    path would where it says yes, and says yes to every clean broadcast-like exchange."""
+    size = _frame.HEADER_SLOT
+    odd = odd % count if odd >= 0 else -1
+    me %= count
+    common = _frame.encode(7, 40, max(odd, 0), 0, [], size)
+    slots = [bytearray(common) for _ in range(count)]
+    if odd >= 0:
+        slots[odd] = bytearray(_frame.encode(7, 40, odd, 0, [[memoryview(b"y" * length)]], size))
+    clean = cap is None or odd < 0 or length <= cap
+    raw = b"".join(slots)
+    assert _frame.agreed(raw, count, size, bytes(slots[me]), digests=digests, cap=cap, common=common,
+                         odd=odd) == clean
+    for i, at, value in flips:
+        if i % count != me:
+            slots[i % count][at] = value
+    raw = b"".join(slots)
+    got = _frame.agreed(raw, count, size, bytes(slots[me]), digests=digests, cap=cap, common=common, odd=odd)
+    assert got == _frame.agreed(raw, count, size, bytes(slots[me]), digests=digests, cap=cap)
+    if got:
+        assert _full_check_passes(raw, count, size, bytes(slots[me]), digests, cap)
+
+
+def test_agreed_with_a_common_slot_checks_the_odd_one_and_the_common_one() -> None:
+    size, count = _frame.HEADER_SLOT, 64
+    common = _frame.encode(3, 9, 5, 0, [], size)
+    root = _frame.encode(3, 9, 5, 0, [[memoryview(b"z" * 200)]], size)
+    raw = bytes(common) * 5 + bytes(root) + bytes(common) * (count - 6)
+    assert _frame.agreed(raw, count, size, common, common=common, odd=5)
+    assert _frame.agreed(raw, count, size, root, common=common, odd=5)
+    assert not _frame.agreed(raw, count, size, common, common=common, odd=5, cap=100)  # the root's total
+    failed = _frame.encode_status(_frame.SERIALIZE_FAILED, 3, 9, 5, "boom", size)
+    raw = bytes(common) * 5 + bytes(failed) + bytes(common) * (count - 6)
+    assert not _frame.agreed(raw, count, size, common, common=common, odd=5)
+    other_call = _frame.encode(3, 10, 5, 0, [], size)  # every slot alike, but not this rank's call
+    assert not _frame.agreed(bytes(other_call) * count, count, size, common, common=other_call)
