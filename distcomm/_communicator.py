@@ -800,21 +800,23 @@ class Communicator(abc.ABC):
 
     def _tensor_op(self, op: Op, root: int, tensor: torch.Tensor, rop: str | None, check: bool,
                    timeout: float | datetime.timedelta | None) -> torch.Tensor:
+        # The hot path of training loops (check=False above all): kept to few calls and lines.
         self._check_usable()
-        if not isinstance(check, bool):
+        if check is not True and check is not False:
             raise TypeError(f"check must be a bool, got {type(check).__name__}")
-        t = self._op_timeout(timeout)
+        t = self._timeout if timeout is None else _seconds(timeout, self._timeout)
         world = self.world_size
         problem = self._tensor_input_problem(op, tensor, rop)
-        if problem is not None and not check:
-            raise (TypeError if not isinstance(tensor, torch.Tensor) else ValueError)(f"{op.label}: {problem}")
-        if problem is not None and world == 1 and self._alone:
-            raise self._alone_error(op, problem)
+        if problem is not None:
+            if not check:
+                raise (TypeError if not isinstance(tensor, torch.Tensor) else ValueError)(f"{op.label}: {problem}")
+            if world == 1 and self._alone:
+                raise self._alone_error(op, problem)
         gathering = op is Op.ALL_GATHER_TENSOR
         x = tensor.reshape(1) if gathering and problem is None and tensor.dim() == 0 else tensor
         if world == 1 and self._alone:
             return x.clone() if gathering or op is Op.REDUCE_SCATTER_TENSOR else tensor
-        st = self._stat(op)
+        st = self._stats.get(op.label) or self._stat(op)
         t0 = time.perf_counter()
         if check:
             counts = self._tensor_check(op, root, tensor, rop, problem, t)
@@ -824,50 +826,62 @@ class Communicator(abc.ABC):
             self._op_label = op.label
             counts = None
         t1 = time.perf_counter()
-        nbytes = x.numel() * x.element_size()
-        differentiable = gathering and x.requires_grad and torch.is_grad_enabled()
-        out: torch.Tensor
-        with torch.no_grad() if tensor.requires_grad else _NOTHING:  # the collectives don't record autograd
-            if gathering:
-                rows = [int(n) for n in counts] if counts is not None else [x.shape[0]] * world
-                total = sum(rows) * (nbytes // max(x.shape[0], 1))
-                self._count(total - nbytes, total - nbytes)  # a ring's share: everyone else's rows, each way
-                if differentiable:
-                    with torch.enable_grad():
-                        out = _AllGather.apply(x, self, rows, t)  # type: ignore[no-untyped-call]
-                else:
-                    out = self._gathered(x, rows, t)
-            elif op is Op.REDUCE_SCATTER_TENSOR:
-                assert rop is not None
-                self._count(nbytes * (world - 1) // world, nbytes * (world - 1) // world)
-                out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
-                self._tensor_reduce_scatter(out, x.contiguous(), rop, t)
-                if rop == "mean":
-                    out.div_(world)
-            else:
-                out = tensor
-                receiver = op is not Op.REDUCE or self.rank == root
-                work = tensor if tensor.is_contiguous() and receiver else tensor.clone(
-                    memory_format=torch.contiguous_format)
-                if op is Op.BROADCAST_TENSOR:
-                    self._count(nbytes if self.rank == root else 0, 0 if self.rank == root else nbytes)
-                    self._tensor_broadcast(work, root, t)
-                else:
-                    assert rop is not None
-                    moved = 2 * (world - 1) * nbytes // world
-                    self._count(moved, moved)
-                    self._tensor_reduce(work, None if op is Op.ALL_REDUCE else root, rop, t)
-                    if rop == "mean" and receiver:
-                        work.div_(world)
-                if receiver and work is not tensor:
-                    tensor.copy_(work)
+        if tensor.requires_grad:  # the collectives don't record autograd (all_gather_tensor's own Function does)
+            differentiable = gathering and torch.is_grad_enabled()
+            with torch.no_grad():
+                out = self._tensor_move(op, root, tensor, x, rop, counts, t, st, differentiable)
+        else:
+            out = self._tensor_move(op, root, tensor, x, rop, counts, t, st, False)
         st.serialize_s += t1 - t0
         st.transfer_s += time.perf_counter() - t1
         return out
 
+    def _tensor_move(self, op: Op, root: int, tensor: torch.Tensor, x: torch.Tensor, rop: str | None,
+                     counts: Any, t: float | None, st: OpStats, differentiable: bool) -> torch.Tensor:
+        """The transfer of a tensor collective whose inputs are checked (or unchecked by request)."""
+        world = self.world_size
+        nbytes = x.numel() * x.element_size()
+        if op is Op.ALL_GATHER_TENSOR:
+            rows = [int(n) for n in counts] if counts is not None else [x.shape[0]] * world
+            moved = sum(rows) * (nbytes // max(x.shape[0], 1)) - nbytes  # a ring's share: everyone else's rows
+            st.bytes_sent += moved
+            st.bytes_received += moved
+            if differentiable:
+                with torch.enable_grad():
+                    out: torch.Tensor = _AllGather.apply(x, self, rows, t)  # type: ignore[no-untyped-call]
+                return out
+            return self._gathered(x, rows, t)
+        if op is Op.REDUCE_SCATTER_TENSOR:
+            assert rop is not None
+            self._count(nbytes * (world - 1) // world, nbytes * (world - 1) // world)
+            out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
+            self._tensor_reduce_scatter(out, x.contiguous(), rop, t)
+            if rop == "mean":
+                out.div_(world)
+            return out
+        receiver = op is not Op.REDUCE or self.rank == root
+        work = tensor if receiver and tensor.is_contiguous() else tensor.clone(memory_format=torch.contiguous_format)
+        if op is Op.BROADCAST_TENSOR:
+            if self.rank == root:
+                st.bytes_sent += nbytes
+            else:
+                st.bytes_received += nbytes
+            self._tensor_broadcast(work, root, t)
+        else:
+            assert rop is not None
+            moved = 2 * (world - 1) * nbytes // world
+            st.bytes_sent += moved
+            st.bytes_received += moved
+            self._tensor_reduce(work, None if op is Op.ALL_REDUCE else root, rop, t)
+            if rop == "mean" and receiver:
+                work.div_(world)
+        if receiver and work is not tensor:
+            tensor.copy_(work)
+        return tensor
+
     def _gathered(self, x: torch.Tensor, rows: list[int], timeout: float | None) -> torch.Tensor:
-        out = torch.empty((sum(rows), *x.shape[1:]), dtype=x.dtype, device=x.device)
-        self._tensor_all_gather(out, x.contiguous(), rows, timeout)
+        out = x.new_empty((sum(rows), *x.shape[1:]))
+        self._tensor_all_gather(out, x if x.is_contiguous() else x.contiguous(), rows, timeout)
         return out
 
     def _tensor_check(self, op: Op, root: int, tensor: torch.Tensor, rop: str | None, problem: str | None,

@@ -282,12 +282,13 @@ class _TorchCommunicator(Communicator):
     _watching = False  # set while a helper thread runs transport steps that this rank's caller watches
 
     def _wait(self, works: list[Any], timeout: float | None, p2p_peers: list[int] | None = None,
-              p2p_bytes: int = 0) -> None:
+              p2p_bytes: int = 0, start: float | None = None) -> None:
         """Wait for ``works``; ``p2p_peers``: point-to-point works, and the peer of each.
 
         Point-to-point waits are handed to a helper thread when they can last: large transfers, and
         any in worlds beyond 4 ranks (where a peer that is late or gone leaves this rank waiting in
-        them); small ones in small worlds finish at once, and the hand-off would cost more."""
+        them); small ones in small worlds finish at once, and the hand-off would cost more.
+        ``start``: when the caller began waiting (its first slice ran out), for sliced waits."""
         try:
             if not self._sliced_waits or self._watching or (
                     p2p_peers is not None and p2p_bytes < self._WATCHED_P2P_BYTES
@@ -296,7 +297,7 @@ class _TorchCommunicator(Communicator):
             elif p2p_peers is not None:
                 self._wait_watched(works, timeout, p2p_peers)
             else:
-                self._wait_sliced(works, timeout)
+                self._wait_sliced(works, timeout, start)
         except DistCommError:
             raise
         except Exception as e:
@@ -318,9 +319,11 @@ class _TorchCommunicator(Communicator):
             else:
                 w.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
 
-    def _wait_sliced(self, works: list[Any], timeout: float | None) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
+    def _wait_sliced(self, works: list[Any], timeout: float | None, start: float | None = None) -> None:
+        deadline = None if timeout is None else (time.monotonic() if start is None else start) + timeout
         seen: dict[int, float] = {}
+        if start is not None:  # a first slice already ran out
+            self._check_peers(self._peer_pids, seen)
         for w in works:
             while True:
                 left = None if deadline is None else deadline - time.monotonic()
@@ -492,33 +495,52 @@ class _TorchCommunicator(Communicator):
             self._opts_made[key] = opts
         return opts
 
-    def _native(self, call: Any, timeout: float | None) -> None:
+    def _native(self, post: Callable[..., Any], args: tuple[Any, ...], timeout: float | None) -> None:
+        """Post one native collective, ``post(*args)``, and wait for it."""
         try:
-            work = call()
+            work = post(*args)
         except Exception as e:
             self._fail(e, timeout)
-        self._wait([work], timeout)
+        self._wait_one(work, timeout)
+
+    def _wait_one(self, work: Any, timeout: float | None) -> None:
+        """``_wait([work], timeout)`` for one native collective, with its common case (done within
+        the first slice) in one timed wait: the tensor collectives' hot path runs few lines."""
+        if not self._sliced_waits or self._watching or (timeout is not None and timeout <= self._SLICE):
+            self._wait([work], timeout)
+            return
+        start = time.monotonic()
+        try:
+            work.wait(_timedelta(self._SLICE))
+            return
+        except RuntimeError as e:  # the slice ran out ("Operation timed out!"), or the transport failed
+            if "timed out" not in str(e).lower():
+                self._fail(e, timeout)
+        except BaseException as e:
+            self._interrupted(e)
+            raise
+        self._wait([work], timeout, start=start)
 
     def _tensor_reduce(self, tensor: torch.Tensor, dst: int | None, op: str, timeout: float | None) -> None:
         g = self._group
         if dst is None:
-            self._native(lambda: g.allreduce([tensor], self._opts("AllreduceOptions", timeout, op)), timeout)
+            self._native(g.allreduce, ([tensor], self._opts("AllreduceOptions", timeout, op)), timeout)
         else:
-            self._native(lambda: g.reduce([tensor], self._opts("ReduceOptions", timeout, op, dst)), timeout)
+            self._native(g.reduce, ([tensor], self._opts("ReduceOptions", timeout, op, dst)), timeout)
 
     def _tensor_broadcast(self, tensor: torch.Tensor, src: int, timeout: float | None) -> None:
         opts = self._opts("BroadcastOptions", timeout, root=src)
-        self._native(lambda: self._group.broadcast([tensor], opts), timeout)
+        self._native(self._group.broadcast, ([tensor], opts), timeout)
 
     def _tensor_all_gather(self, out: torch.Tensor, tensor: torch.Tensor, rows: list[int],
                            timeout: float | None) -> None:
         g, opts = self._group, self._opts("AllgatherOptions", timeout)
-        if len(set(rows)) == 1:
-            self._native(lambda: g._allgather_base(out, tensor, opts), timeout)
+        if rows.count(rows[0]) == len(rows):
+            self._native(g._allgather_base, (out, tensor, opts), timeout)
             return
         pieces = list(torch.split(out, rows))
         if self._uneven_allgather:
-            self._native(lambda: g.allgather([pieces], [tensor], opts), timeout)
+            self._native(g.allgather, ([pieces], [tensor], opts), timeout)
             return
         # gloo's all-gather wants equal sizes: each rank's rows go straight to every peer instead
         me = self._rank
@@ -536,7 +558,7 @@ class _TorchCommunicator(Communicator):
 
     def _tensor_reduce_scatter(self, out: torch.Tensor, tensor: torch.Tensor, op: str, timeout: float | None) -> None:
         opts = self._opts("ReduceScatterOptions", timeout, op)
-        self._native(lambda: self._group._reduce_scatter_base(out, tensor, opts), timeout)
+        self._native(self._group._reduce_scatter_base, (out, tensor, opts), timeout)
 
     # ------------------------------------------------------------------ sub-communicators
     def _make_sub(self, groups: list[list[int]], mine: list[int] | None, timeout: float | None) -> Communicator | None:
