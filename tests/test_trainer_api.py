@@ -314,3 +314,27 @@ def test_the_backward_all_reduce_is_a_recorded_collective_for_the_fake() -> None
     assert [c.op for c in comm.calls] == ["all_gather_tensor", "all_reduce"]
     assert asked[-1] == "all_reduce"
     assert x.grad is not None and x.grad.tolist() == [[2.0, 2.0], [2.0, 2.0]]
+
+
+def _late_and_lost(comm: distcomm.Communicator) -> Any:
+    """An unchecked all_reduce whose peer is 1.6 s late (past the first wait slice), then one whose
+    peer never comes."""
+    import time
+
+    if comm.rank == 1:
+        time.sleep(1.6)
+    late = comm.all_reduce(torch.ones(2), check=False, timeout=30).tolist()
+    if comm.rank == 1:
+        time.sleep(4.5)  # alive, but never calls
+        return late, None
+    lost = outcome(lambda: comm.all_reduce(torch.ones(2), check=False, timeout=2.5))
+    return late, lost
+
+
+@pytest.mark.slow
+def test_unchecked_tensor_waits_past_the_first_slice_and_times_out_with_its_own_timeout() -> None:
+    results = spawn(_late_and_lost, 2, timeout=120)
+    assert [late for late, _ in results] == [[2.0, 2.0]] * 2
+    kind, text = results[0][1][:2]
+    assert kind == "CollectiveTimeoutError", results[0][1]
+    assert "timed out after 2.5s" in text
