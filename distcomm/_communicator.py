@@ -160,6 +160,14 @@ class _Slots:
         self._raw, self._size = raw, size
         self._done: dict[int, _frame.Slot] = {} if mine is None else {me: mine}
 
+    def totals(self, count: int) -> np.ndarray[Any, Any]:
+        """Every slot's total (the bytes of its segments, inline ones included), as int64s: one
+        strided view, no decode. For slots that passed agreement (OK, totals not negative)."""
+        view: np.ndarray[Any, Any] = np.ndarray((count,), dtype="<i8", buffer=self._raw, offset=_frame.TOTAL_AT,
+                                                strides=(self._size,))
+        out: np.ndarray[Any, Any] = view.copy()
+        return out
+
     def __getitem__(self, r: int) -> _frame.Slot:
         got = self._done.get(r)
         if got is None:
@@ -1437,6 +1445,10 @@ class Communicator(abc.ABC):
         if kind is _BROADCAST:
             got = self._tree_broadcast(root, slots[root], parts, timeout)
             return ({root: got} if self.rank != root else {}), {root: bool(slots[root].header.flags & _frame.PACKED)}
+        if kind is _GATHER and self.world_size > _frame.SMALL_WORLD:
+            totals = slots.totals(self.world_size)
+            if int(totals.sum()) - int(totals[root]) <= self._TREE_GATHER_BYTES:
+                return self._tree_gather(op, root, parts, slots, totals, timeout)
         if kind is _SCATTER:
             slots = self._deliver_scatter_slots(op, seq, root, subs, size, timeout)
         plan = self._plan(kind, root, parts, tables, slots)
@@ -1598,6 +1610,72 @@ class Communicator(abc.ABC):
             recvs = [(parent, chunks[i])] if parent is not None and i < len(chunks) else []
             if sends or recvs:
                 self._xchg(sends, recvs, timeout)
+
+    _TREE_GATHER_BYTES = 1 << 20
+    """Gathers beyond SMALL_WORLD ranks whose segments add up to at most this many bytes travel up
+    a binomial tree (``_tree_gather``): the root posts log2(world) receives instead of one per
+    rank (at 1,024 ranks: 10, not 1,023), and no rank forwards more than this many bytes. Larger
+    ones go straight from each rank to the root, each byte sent once."""
+
+    def _tree_gather(
+        self, op: Op, root: int, parts: list[list[memoryview]], slots: _Slots, totals: np.ndarray[Any, Any],
+        timeout: float | None,
+    ) -> tuple[dict[int, list[_Seg]], dict[int, bool]]:
+        """Move every rank's segments to the root up a binomial tree; returns the root's segments
+        per source (views of one receive buffer), or nothing on the other ranks.
+
+        Ranks are numbered from the root (v = rank - root). Rank v's subtree is v up to
+        v + lowbit(v), and its children are v + k for the powers of two k < lowbit(v) (the root's:
+        every power of two below world). Each rank receives its children's subtrees into one
+        buffer, behind its own segments, in rank order, and sends that buffer to its parent
+        v - lowbit(v) in one message. Every rank computes the same sizes from the slots' totals
+        (each rank's segments, inline ones included), so every buffer has its exact size.
+        """
+        world, me = self.world_size, self.rank
+        v = (me - root) % world
+        tables = []  # the root reads every table before it receives anything (a corrupt one is refused)
+        for u in range(1, world) if not v else ():
+            src = (u + root) % world
+            slot = slots[src]
+            if len(slot.parts) != 1:
+                raise FrameError(f"rank {src} sent {len(slot.parts)} parts, not 1", op=op.label, ranks=[src])
+            tables.append((src, slot.parts[0], bool(slot.header.flags & _frame.PACKED)))
+        low = v & -v if v else 1 << max(world - 1, 1).bit_length()
+        end = min(v + low, world)
+        sizes = np.roll(totals, -root)  # by relative rank
+        sizes[0] = 0  # the root keeps its own object
+        starts = [0, *np.cumsum(sizes[v:end]).tolist()]  # offsets in my buffer, by relative rank - v
+        buf = torch.empty(starts[-1], dtype=torch.uint8)
+        view = _mv(buf)
+        if v:
+            pos = 0
+            for seg in parts[0]:
+                n = seg.nbytes
+                view[pos : pos + n] = seg.cast("B") if seg.ndim != 1 or seg.format != "B" else seg
+                pos += n
+        recvs = []
+        k = 1
+        while k < low and v + k < world:  # child v + k holds v + k up to v + 2k
+            a, b = starts[k], starts[min(2 * k, end - v)]
+            if b > a:
+                recvs.append(((v + k + root) % world, buf[a:b]))
+            k *= 2
+        if recvs:
+            self._xchg([], recvs, timeout)
+        if v:
+            if starts[-1]:
+                self._xchg([((v - low + root) % world, buf)], [], timeout)
+            return {}, {}
+        incoming: dict[int, list[_Seg]] = {}
+        packed: dict[int, bool] = {}
+        for u, (src, entries, was_packed) in enumerate(tables, start=1):
+            pos, segs = starts[u], []
+            for n, _ in entries:
+                segs.append((view[pos : pos + n], False))
+                pos += n
+            incoming[src] = segs
+            packed[src] = was_packed
+        return incoming, packed
 
     def _check_receivable(self, size: int, src: int, label: str) -> None:
         """Refuse, before allocating, a segment larger than this machine's memory.

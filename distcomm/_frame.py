@@ -39,6 +39,8 @@ VERSION = 2
 HEADER = struct.Struct("<4sBBBBqiIIQq")
 HEADER_SIZE = HEADER.size
 MIN_SLOT = 256
+TOTAL_AT = 36
+"""Where a header's total (int64) lies."""
 HEADER_SLOT = 64
 """The slot of worlds over SMALL_WORLD ranks (and of set-up): a header and a one- or two-segment table."""
 SMALL_WORLD = 4

@@ -23,6 +23,7 @@ from .._communicator import (
     _dict_problem,
     _dict_signature,
     _reduce_digest,
+    _Slots,
     _tensor_fields,
 )
 from .._serialization import failure_text
@@ -84,6 +85,7 @@ class FakeCommunicator(Communicator):
         self._depth = 0
         self._ctx: tuple[Op, int, Any] = (Op.BARRIER, -1, None)
         self._pending: dict[int, deque[memoryview]] = {}
+        self._peer_segs: dict[int, list[memoryview]] = {}  # each peer's gather segments, for the tree
         self._peer_dicts: dict[int, Mapping[Any, torch.Tensor]] = {}
         self._names: list[Any] = []
         self._tensor_ctx: tuple[Op, str | None, Any] = (Op.ALL_REDUCE, None, None)
@@ -218,6 +220,8 @@ class FakeCommunicator(Communicator):
             self._feed(r, [memoryview(sub), *self._later(sub, mine, 0)])
             return _frame.encode(op, seq, root, 0, [], size)
         slot, parts = self._build_slot(op, seq, root, 0, parts, size)
+        if kind is Op.GATHER and parts:
+            self._peer_segs[r] = parts[0]  # every segment, should the gather go up the tree
         if kind is Op.BROADCAST:
             v = (me - root) % self._size
             if r == root and v:  # the root's bytes reach this rank through its parent in the tree
@@ -263,9 +267,30 @@ class FakeCommunicator(Communicator):
     # ------------------------------------------------------------------ transport
     def _allgather_slots(self, slot: bytearray, size: int, timeout: float | None) -> memoryview:
         self._pending = {}
+        self._peer_segs = {}
         rows = [slot if r == self._rank else self._peer_slot(r, size) for r in range(self._size)]
         self._count(size * (self._size - 1), size * (self._size - 1))
-        return memoryview(b"".join(rows))
+        raw = memoryview(b"".join(rows))
+        op, root, _ = self._ctx
+        if _ROUTE[op] is Op.GATHER and self._size > _frame.SMALL_WORLD and all(row[5] == _frame.OK for row in rows):
+            totals = _Slots(raw, size, 0, None).totals(self._size)
+            if int(totals.sum()) - int(totals[root]) <= self._TREE_GATHER_BYTES:
+                self._feed_tree(root, totals)
+        return raw
+
+    def _feed_tree(self, root: int, totals: Any) -> None:
+        """What this rank's children in ``_tree_gather``'s tree send it: each child's subtree's
+        segments, in rank order, as one stream."""
+        self._pending = {}
+        world = self._size
+        v = (self._rank - root) % world
+        low = v & -v if v else 1 << max(world - 1, 1).bit_length()
+        end, k = min(v + low, world), 1
+        while k < low and v + k < world:
+            ranks = [(u + root) % world for u in range(v + k, min(v + 2 * k, end))]
+            if sum(int(totals[r]) for r in ranks):
+                self._feed((v + k + root) % world, [seg for r in ranks for seg in self._peer_segs.get(r, [])])
+            k *= 2
 
     def _exchange(
         self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]], timeout: float | None
