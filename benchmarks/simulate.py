@@ -10,7 +10,15 @@ bytes into receive buffers) is measured and taken out, so what remains is the ra
 process group, which runs their Python and hallucinates the transfers; its copies of the payload
 into the gathered tensor are transport work that this measurement leaves in torch's figure.
 
-Each figure is the larger of the root's and a non-root rank's, the median of several calls.
+Each figure is the largest of the root's, a leaf's (rank 1) and a rank's inside the trees (world
+// 2), the median of several calls (torch's: the root's and rank 1's).
+
+The transport's posts are left out of that figure, on both sides, and they are not free: each
+point-to-point message a rank posts and waits for costs it tens of microseconds of CPU in gloo,
+as does each native collective call. So the table also counts distcomm's posts (point to point,
+and native calls such as gloo's all-to-all and broadcast), measures both costs on a 2-rank gloo
+group before the run, and adds them: distcomm's posts at those costs, and torch's native calls
+(two per object collective, three for scatter_object_list) at the native cost.
 """
 
 from __future__ import annotations
@@ -48,7 +56,8 @@ class SimCommunicator(FakeCommunicator):
         super().__init__(rank, world_size, peers=lambda op, r, obj: objs if op == "scatter" else objs[r])
         self.objs = objs
         self.transport_s = 0.0
-        self.posts = 0
+        self.p2p = 0  # point-to-point posts: each a Python call into the transport, and a wait
+        self.native = 0  # native collectives (gloo's all-to-all, broadcast): one call each
         self._native = False
         self._tape: dict[tuple[int, int, int], tuple[bytes, dict[int, list[memoryview]]]] = {}
 
@@ -73,7 +82,10 @@ class SimCommunicator(FakeCommunicator):
                     patched = bytearray(v)
                     np.frombuffer(patched, dtype=_frame._header_dtype(size), count=1)["seq"] = self._seq
                     q[i] = memoryview(patched)
-        self.posts += 2 * max(1, (self.world_size - 1).bit_length()) if self.world_size > 4 else 1
+        if self.world_size > 4:
+            self.p2p += 2 * max(1, (self.world_size - 1).bit_length())
+        else:
+            self.native += 1
         self.transport_s += time.thread_time() - t0
         return memoryview(buf)
 
@@ -84,7 +96,7 @@ class SimCommunicator(FakeCommunicator):
             return
         t0 = time.thread_time()
         super()._exchange(sends, recvs, timeout)
-        self.posts += len(sends) + len(recvs)
+        self.p2p += len(sends) + len(recvs)
         self.transport_s += time.thread_time() - t0
 
     def _one_post(self, move: Callable[[], None]) -> None:
@@ -96,7 +108,7 @@ class SimCommunicator(FakeCommunicator):
             move()
         finally:
             self._native = False
-        self.posts += 1
+        self.native += 1
         self.transport_s += time.thread_time() - t0
 
     def _alltoallv(self, send: torch.Tensor, send_counts: list[int], recv: torch.Tensor, recv_counts: list[int],
@@ -119,18 +131,78 @@ def call(comm: Any, op: str, obj: Any, objs: list[Any]) -> Callable[[], Any]:
     return lambda: Communicator.scatter(comm, objs if comm.rank == 0 else None, src=0)
 
 
-def distcomm_time(world: int, rank: int, op: str, name: str, reps: int) -> tuple[float, int]:
+def distcomm_time(world: int, rank: int, op: str, name: str, reps: int) -> tuple[float, int, int]:
+    """The rank's Python per call (median), and its point-to-point and native transport posts."""
     comm = SimCommunicator(rank, world, name)
     fn = call(comm, op, comm.objs[rank], comm.objs)
     fn()  # records the peers
-    times, posts = [], 0
+    times = []
     for _ in range(reps):
-        comm.transport_s, comm.posts = 0.0, 0
+        comm.transport_s, comm.p2p, comm.native = 0.0, 0, 0
         t0 = time.thread_time()
         fn()
         times.append(time.thread_time() - t0 - comm.transport_s)
-        posts = comm.posts
-    return statistics.median(times), posts
+    return statistics.median(times), comm.p2p, comm.native
+
+
+TORCH_NATIVE = {"all_gather": 2, "gather": 2, "broadcast": 2, "scatter": 3}
+"""The native collectives torch's object collective calls: sizes then data (scatter_object_list:
+a broadcast of the largest size, then two scatters)."""
+
+
+def _post_costs_worker(rank: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    group = dist.new_group([0, 1])
+    peer = 1 - rank
+    send, recv, buf = (torch.zeros(n, dtype=torch.uint8) for n in (64, 64, 300))
+    opts = dist.BroadcastOptions()
+    opts.rootRank, opts.rootTensor = 0, 0
+
+    def exchange() -> None:
+        for w in [group.recv([recv], peer, 0), group.send([send], peer, 0)]:
+            w.wait()
+
+    def native() -> None:
+        group.broadcast([buf], opts).wait()
+
+    res = {}
+    for key, fn in (("p2p", exchange), ("native", native)):
+        for _ in range(50):
+            fn()
+        cpu = []
+        for _ in range(30):
+            dist.barrier(group)
+            c0 = time.thread_time()
+            for _ in range(20):
+                fn()
+            cpu.append((time.thread_time() - c0) / 20)
+        res[key] = statistics.median(cpu)
+    if rank == 0:
+        with open(out, "w") as f:
+            f.write(f"{res['p2p'] / 2} {res['native']}")
+    dist.destroy_process_group()
+
+
+def post_costs() -> tuple[float, float]:
+    """CPU per point-to-point post (half of a send-and-receive exchange with its waits) and per
+    native collective call (a 300-byte broadcast with its wait), on a 2-rank gloo group over
+    127.0.0.1: the transport work the simulation leaves out, measured on this machine."""
+    import os
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "costs")
+        mp.spawn(_post_costs_worker, args=(port, out), nprocs=2)
+        with open(out) as f:
+            p2p, native = (float(x) for x in f.read().split())
+    return p2p, native
 
 
 def torch_time(world: int, rank: int, op: str, name: str, reps: int) -> float | None:
@@ -177,18 +249,29 @@ def main() -> None:
     ap.add_argument("--op", choices=OPS, action="append")
     ap.add_argument("--payload", choices=PAYLOADS, action="append")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--no-post-costs", action="store_true", help="skip measuring the transport's posts on gloo")
     args = ap.parse_args()
-    print("| payload | op | world | distcomm | torch | distcomm/torch | transport posts (distcomm, max rank) |")
-    print("|---|---|---|---|---|---|---|")
+    p2p_s, native_s = (0.0, 0.0) if args.no_post_costs else post_costs()
+    print(f"transport posts, measured on a 2-rank gloo group here: {p2p_s * 1e6:.0f} µs of CPU per point-to-point "
+          f"post, {native_s * 1e6:.0f} µs per native collective call\n")
+    print("| payload | op | world | distcomm | torch | distcomm/torch | distcomm posts: p2p + native (max rank) | "
+          "with posts: distcomm | with posts: torch | with posts: distcomm/torch |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name in args.payload or PAYLOADS:
         for op in args.op or OPS:
             for world in args.world:
-                ours, posts = zip(*(distcomm_time(world, r, op, name, args.reps) for r in (0, 1)), strict=True)
+                ranks = sorted({0, 1, world // 2})  # the root, a leaf, and a rank inside the trees
+                ours = [distcomm_time(world, r, op, name, args.reps) for r in ranks]
                 got = [t for t in (torch_time(world, r, op, name, args.reps) for r in (0, 1)) if t is not None]
                 theirs = max(got)
                 note = "" if len(got) == 2 else " (root only)"
-                print(f"| {name} | {op} | {world} | {ms(max(ours))} | {ms(theirs)}{note} | "
-                      f"{max(ours) / theirs:.2f} | {max(posts)} |", flush=True)
+                mine = max(t for t, _, _ in ours)
+                p2p, native = max((p, n) for _, p, n in ours)
+                with_ours = max(t + p * p2p_s + n * native_s for t, p, n in ours)
+                with_theirs = theirs + TORCH_NATIVE[op] * native_s
+                print(f"| {name} | {op} | {world} | {ms(mine)} | {ms(theirs)}{note} | {mine / theirs:.2f} | "
+                      f"{p2p} + {native} | {ms(with_ours)} | {ms(with_theirs)} | {with_ours / with_theirs:.2f} |",
+                      flush=True)
 
 
 if __name__ == "__main__":
