@@ -1611,11 +1611,13 @@ class Communicator(abc.ABC):
             if sends or recvs:
                 self._xchg(sends, recvs, timeout)
 
-    _TREE_GATHER_BYTES = 1 << 20
+    _TREE_GATHER_BYTES = 256 << 10
     """Gathers beyond SMALL_WORLD ranks whose segments add up to at most this many bytes travel up
     a binomial tree (``_tree_gather``): the root posts log2(world) receives instead of one per
-    rank (at 1,024 ranks: 10, not 1,023), and no rank forwards more than this many bytes. Larger
-    ones go straight from each rank to the root, each byte sent once."""
+    rank (at 1,024 ranks: 10, not 1,023), and no rank receives or forwards more than this many
+    bytes (a dict of 8 floats from each of 1,024 ranks is about 200 KiB). Larger ones go straight
+    from each rank to the root, each byte sent once, and the ranks that need nothing receive
+    nothing but the slots."""
 
     def _tree_gather(
         self, op: Op, root: int, parts: list[list[memoryview]], slots: _Slots, totals: np.ndarray[Any, Any],

@@ -209,6 +209,8 @@ def _check_tree_gather(results: list[dict[str, Any]]) -> None:
         v = (i - root) % n
         if v % 2:  # a leaf of the binomial tree sends its own bytes, once, and receives nothing more
             assert res["moved"] == (slots + res["own"], slots)
+        if i != root:  # an inner rank forwards its subtree's bytes: never more than the tree's limit
+            assert res["moved"][1] - slots <= distcomm.Communicator._TREE_GATHER_BYTES
 
 
 @pytest.mark.parametrize("world_size", [9, 13])
