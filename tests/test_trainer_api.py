@@ -338,3 +338,47 @@ def test_unchecked_tensor_waits_past_the_first_slice_and_times_out_with_its_own_
     kind, text = results[0][1][:2]
     assert kind == "CollectiveTimeoutError", results[0][1]
     assert "timed out after 2.5s" in text
+
+
+def _error(fn: Callable[[], Any]) -> tuple[str, str]:
+    try:
+        fn()
+    except Exception as e:  # this rank's own input errors are ValueError/TypeError with check=False
+        return type(e).__name__, str(e)
+    return "ok", ""
+
+
+def _unchecked_calls(comm: distcomm.Communicator) -> dict[str, Any]:
+    """Unchecked tensor collectives, the common case and the cases the torch transports' lane leaves
+    to the general path; the results, the errors and the stats."""
+    r = comm.rank
+    x = torch.full((3,), float(r + 1))
+    out: dict[str, Any] = {
+        "sum": comm.all_reduce(x.clone(), check=False).tolist(),
+        "mean": comm.all_reduce(x.clone(), "mean", check=False).tolist(),
+        "max": comm.all_reduce(torch.arange(3) * (r + 1), "max", check=False).tolist(),
+        "broadcast": comm.broadcast_tensor(x.clone(), src=1, check=False).tolist(),
+        "gather 0-d": comm.all_gather_tensor(torch.tensor(float(r)), check=False).tolist(),
+        "gather 2-d": comm.all_gather_tensor(torch.full((2, 3), r), check=False).tolist(),
+        # what the lane leaves to the general path: non-contiguous, a timeout, complex mean
+        "strided": comm.all_reduce(torch.ones(4, 2).t() * (r + 1), check=False).tolist(),
+        "timeout": comm.all_reduce(x.clone(), check=False, timeout=30).tolist(),
+        "complex mean": comm.all_reduce(torch.ones(2, dtype=torch.complex64), "mean", check=False).tolist(),
+        "int mean": _error(lambda: comm.all_reduce(torch.ones(2, dtype=torch.int64), "mean", check=False)),
+        "complex max": _error(lambda: comm.all_reduce(torch.ones(2, dtype=torch.complex64), "max", check=False)),
+        "grad": comm.all_gather_tensor(torch.ones(2, requires_grad=True), check=False).sum().item(),
+    }
+    out["stats"] = {k: (s.calls, s.bytes_sent, s.bytes_received) for k, s in sorted(comm.stats.items())}
+    comm.close()
+    out["closed"] = _error(lambda: comm.all_reduce(x, check=False))[0]  # (the message names the class)
+    return out
+
+
+def test_unchecked_tensor_collectives_agree_with_the_doubles() -> None:
+    """The gloo communicator's lane for unchecked calls gives the results, errors and stats the
+    general path gives in the threaded world (which has no lane)."""
+    gloo, threaded = spawn(_unchecked_calls, 2, timeout=120), run_threaded(_unchecked_calls, 2, timeout=60)
+    assert gloo == threaded
+    assert gloo[0]["sum"] == [3.0] * 3 and gloo[0]["mean"] == [1.5] * 3 and gloo[1]["broadcast"] == [2.0] * 3
+    assert gloo[0]["gather 0-d"] == [0.0, 1.0] and gloo[0]["int mean"][0] == "ValueError"
+    assert gloo[0]["closed"] == "CommunicatorStateError"
