@@ -178,6 +178,16 @@ class _Slots:
         return got
 
 
+def _tree_gather_totals(slots: _Slots, world: int, root: int, limit: int) -> np.ndarray[Any, Any] | None:
+    """The slots' totals when a gather goes up the binomial tree (every rank's, and all but the
+    root's together, at most ``limit``); None when it goes straight to the root. Each total is
+    bounded before they are summed, so forged ones can't wrap the sum past the receivers' checks."""
+    totals = slots.totals(world)
+    if int(totals.max()) > limit or int(totals.sum()) - int(totals[root]) > limit:
+        return None
+    return totals
+
+
 def _all_to_all_problem(objs: Any, world: int) -> str | None:
     """What is wrong with a rank's all_to_all list (None: nothing); reported on every rank."""
     if objs is None or isinstance(objs, (str, bytes)) or not isinstance(objs, Sequence):
@@ -205,6 +215,17 @@ def _owned_copy(view: memoryview) -> memoryview:
     out = memoryview(t.numpy())  # type: ignore[arg-type]
     out[:] = view.cast("B") if view.format != "B" or view.ndim != 1 else view
     return out
+
+
+def _materialized(t: torch.Tensor, fresh: bool = False) -> torch.Tensor:
+    """``t`` as a native collective must get it: contiguous, with a conjugate or negative view's
+    bit applied (the transports read a view's memory, not its flags: a conj() view would travel
+    unconjugated). ``fresh``: a copy even when ``t`` is fit as it is."""
+    if t.is_conj() or t.is_neg():
+        return t.resolve_conj().resolve_neg().contiguous()  # a new tensor
+    if t.is_contiguous() and not fresh:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def _is_aligned(view: memoryview) -> bool:
@@ -883,12 +904,12 @@ class Communicator(abc.ABC):
             assert rop is not None
             self._count(nbytes * (world - 1) // world, nbytes * (world - 1) // world)
             out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
-            self._tensor_reduce_scatter(out, x.contiguous(), rop, t)
+            self._tensor_reduce_scatter(out, _materialized(x), rop, t)
             if rop == "mean":
                 out.div_(world)
             return out
         receiver = op is not Op.REDUCE or self.rank == root
-        work = tensor if receiver and tensor.is_contiguous() else tensor.clone(memory_format=torch.contiguous_format)
+        work = _materialized(tensor, fresh=not receiver)
         if op is Op.BROADCAST_TENSOR:
             if self.rank == root:
                 st.bytes_sent += nbytes
@@ -909,7 +930,7 @@ class Communicator(abc.ABC):
 
     def _gathered(self, x: torch.Tensor, rows: list[int], timeout: float | None) -> torch.Tensor:
         out = x.new_empty((sum(rows), *x.shape[1:]))
-        self._tensor_all_gather(out, x if x.is_contiguous() else x.contiguous(), rows, timeout)
+        self._tensor_all_gather(out, _materialized(x), rows, timeout)
         return out
 
     def _tensor_check(self, op: Op, root: int, tensor: torch.Tensor, rop: str | None, problem: str | None,
@@ -1466,8 +1487,8 @@ class Communicator(abc.ABC):
             got = self._tree_broadcast(root, slots[root], parts, timeout)
             return ({root: got} if self.rank != root else {}), {root: bool(slots[root].header.flags & _frame.PACKED)}
         if kind is _GATHER and self.world_size > _frame.SMALL_WORLD:
-            totals = slots.totals(self.world_size)
-            if int(totals.sum()) - int(totals[root]) <= self._TREE_GATHER_BYTES:
+            totals = _tree_gather_totals(slots, self.world_size, root, self._TREE_GATHER_BYTES)
+            if totals is not None:
                 return self._tree_gather(op, root, parts, slots, totals, timeout)
         if kind is _SCATTER:
             slots = self._deliver_scatter_slots(op, seq, root, subs, size, timeout)

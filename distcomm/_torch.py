@@ -513,10 +513,10 @@ class _TorchCommunicator(Communicator):
         try:
             work.wait(_timedelta(self._SLICE))
             return
-        except RuntimeError as e:  # the slice ran out ("Operation timed out!"), or the transport failed
-            if "timed out" not in str(e).lower():
+        except Exception as e:  # the slice ran out ("Operation timed out!"), or the transport failed
+            if not isinstance(e, RuntimeError) or "timed out" not in str(e).lower():
                 self._fail(e, timeout)
-        except BaseException as e:
+        except BaseException as e:  # Ctrl-C
             self._interrupted(e)
             raise
         self._wait([work], timeout, start=start)
@@ -529,10 +529,10 @@ class _TorchCommunicator(Communicator):
         # (measured on gloo: this cut what a call adds to torch.distributed's own by half or more).
         # Anything uncommon (not a plain contiguous tensor, autograd, a reduction the dtype can't
         # take, another device, a closed or broken communicator) returns None: _tensor_op then runs,
-        # and words the error.
+        # and words the error; it also materializes conjugate views, whose memory isn't their value.
         if (type(tensor) is not torch.Tensor or tensor.requires_grad or not tensor.is_contiguous()
-                or tensor.device != self._lane_device or self._world == 1 or self._closed
-                or self._broken is not None or os.getpid() != self._pid):
+                or tensor.is_conj() or tensor.is_neg() or tensor.device != self._lane_device or self._world == 1
+                or self._closed or self._broken is not None or os.getpid() != self._pid):
             return None
         if rop is not None and rop != "sum" and rop != "prod" and not (
                 tensor.is_floating_point() if rop == "mean" else not tensor.is_complex()):

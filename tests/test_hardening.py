@@ -134,6 +134,28 @@ class _Forger(FakeCommunicator):
         return slot
 
 
+class _HugeForger(FakeCommunicator):
+    """Rank 3 of 8 announces one segment of 2**63 - 1 bytes: beyond 4 ranks, where small gathers go
+    up a tree sized from the slots' totals (a sum that such a total would wrap)."""
+
+    def _peer_slot(self, r: int, size: int) -> bytearray:
+        if r != 3:
+            return super()._peer_slot(r, size)
+        op, root, _ = self._ctx
+        super()._peer_slot(r, size)  # the fake's bookkeeping for that peer
+        slot = bytearray(size)
+        _frame.HEADER.pack_into(slot, 0, _frame.MAGIC, _frame.VERSION, _frame.OK, op, 0, self._seq, root,
+                                1, 1, 0, 2**63 - 1)
+        struct.pack_into("<Iq", slot, _frame.HEADER_SIZE, 1, 2**63 - 1)
+        return slot
+
+
+def test_a_forged_total_cant_wrap_the_tree_gathers_sizes() -> None:
+    comm = _HugeForger(0, 8)
+    with pytest.raises(distcomm.PayloadTooLargeError, match="more than this machine's memory"):
+        comm.gather("x", dst=0)
+
+
 def test_absurd_announced_size_is_refused_before_allocating() -> None:
     comm = _Forger(0, 2)
     with pytest.raises(distcomm.PayloadTooLargeError, match="more than this machine's memory"):

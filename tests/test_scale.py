@@ -236,7 +236,7 @@ def test_small_gather_goes_up_a_binomial_tree_gloo() -> None:
     _check_tree_gather(spawn(_tree_gather, 6, timeout=120, serializer=_ONE_KIB_OOB))
 
 
-@pytest.mark.parametrize("rank", [0, 3, 6, 7, 12])
+@pytest.mark.parametrize("rank", [0, 3, 6, 7, 10, 12])  # 10: the root, fed by its children's subtrees
 def test_fake_gather_runs_the_tree_as_its_peers_would(rank: int) -> None:
     n, root = 13, 10
     objs = [{"r": i, "a": np.arange(700 + 11 * i, dtype=np.float64)} for i in range(n)]

@@ -353,6 +353,16 @@ def _unchecked_calls(comm: distcomm.Communicator) -> dict[str, Any]:
     to the general path; the results, the errors and the stats."""
     r = comm.rank
     x = torch.full((3,), float(r + 1))
+    general: list[str] = []  # the calls that reach the general path
+    real = type(comm)._tensor_op
+
+    def spy(self: distcomm.Communicator, op: Any, *args: Any) -> Any:
+        general.append(op.label)
+        return real(self, op, *args)
+
+    gloo = isinstance(comm, distcomm.GlooCommunicator)  # (the threaded world's ranks share their class)
+    if gloo:
+        type(comm)._tensor_op = spy  # type: ignore[method-assign]
     out: dict[str, Any] = {
         "sum": comm.all_reduce(x.clone(), check=False).tolist(),
         "mean": comm.all_reduce(x.clone(), "mean", check=False).tolist(),
@@ -367,7 +377,15 @@ def _unchecked_calls(comm: distcomm.Communicator) -> dict[str, Any]:
         "int mean": _error(lambda: comm.all_reduce(torch.ones(2, dtype=torch.int64), "mean", check=False)),
         "complex max": _error(lambda: comm.all_reduce(torch.ones(2, dtype=torch.complex64), "max", check=False)),
         "grad": comm.all_gather_tensor(torch.ones(2, requires_grad=True), check=False).sum().item(),
+        # conjugate views: their memory isn't their value (the transports read memory)
+        "conj": comm.all_reduce((torch.ones(2) * 1j).conj(), check=False).tolist(),
+        "conj checked": comm.all_reduce((torch.ones(2) * 1j).conj()).tolist(),
+        "neg view": comm.all_reduce((torch.ones(2) * 1j).conj().imag, check=False).tolist(),
+        "neg gather": comm.all_gather_tensor((torch.ones(1) * (r + 1j)).conj().imag, check=False).tolist(),
     }
+    if gloo:
+        type(comm)._tensor_op = real  # type: ignore[method-assign]
+        out["general"] = general
     out["stats"] = {k: (s.calls, s.bytes_sent, s.bytes_received) for k, s in sorted(comm.stats.items())}
     comm.close()
     out["closed"] = _error(lambda: comm.all_reduce(x, check=False))[0]  # (the message names the class)
@@ -378,7 +396,12 @@ def test_unchecked_tensor_collectives_agree_with_the_doubles() -> None:
     """The gloo communicator's lane for unchecked calls gives the results, errors and stats the
     general path gives in the threaded world (which has no lane)."""
     gloo, threaded = spawn(_unchecked_calls, 2, timeout=120), run_threaded(_unchecked_calls, 2, timeout=60)
+    # the gloo lane took the common cases: the general path saw only the rest, from "strided" on
+    assert [g.pop("general") for g in gloo] == [["all_reduce"] * 5 + ["all_gather_tensor"] + ["all_reduce"] * 3
+                                                + ["all_gather_tensor"]] * 2
     assert gloo == threaded
+    assert gloo[0]["conj"] == [-2j, -2j] and gloo[0]["conj checked"] == [-2j, -2j]
+    assert gloo[0]["neg view"] == [-2.0, -2.0] and gloo[0]["neg gather"] == [-1.0, -1.0]
     assert gloo[0]["sum"] == [3.0] * 3 and gloo[0]["mean"] == [1.5] * 3 and gloo[1]["broadcast"] == [2.0] * 3
     assert gloo[0]["gather 0-d"] == [0.0, 1.0] and gloo[0]["int mean"][0] == "ValueError"
     assert gloo[0]["closed"] == "CommunicatorStateError"

@@ -25,6 +25,7 @@ from .._communicator import (
     _reduce_digest,
     _Slots,
     _tensor_fields,
+    _tree_gather_totals,
 )
 from .._serialization import failure_text
 
@@ -273,8 +274,8 @@ class FakeCommunicator(Communicator):
         raw = memoryview(b"".join(rows))
         op, root, _ = self._ctx
         if _ROUTE[op] is Op.GATHER and self._size > _frame.SMALL_WORLD and all(row[5] == _frame.OK for row in rows):
-            totals = _Slots(raw, size, 0, None).totals(self._size)
-            if int(totals.sum()) - int(totals[root]) <= self._TREE_GATHER_BYTES:
+            totals = _tree_gather_totals(_Slots(raw, size, 0, None), self._size, root, self._TREE_GATHER_BYTES)
+            if totals is not None:
                 self._feed_tree(root, totals)
         return raw
 
