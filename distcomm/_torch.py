@@ -529,9 +529,10 @@ class _TorchCommunicator(Communicator):
         # (measured on gloo: this cut what a call adds to torch.distributed's own by half or more).
         # Anything uncommon (not a plain contiguous tensor, autograd, a reduction the dtype can't
         # take, another device, a closed or broken communicator) returns None: _tensor_op then runs,
-        # and words the error; it also materializes conjugate views, whose memory isn't their value.
+        # and words the error; it also materializes conjugate views, whose memory isn't their value, and
+        # moves complex tensors as real pairs.
         if (type(tensor) is not torch.Tensor or tensor.requires_grad or not tensor.is_contiguous()
-                or tensor.is_conj() or tensor.is_neg() or tensor.device != self._lane_device or self._world == 1
+                or tensor.is_complex() or tensor.is_neg() or tensor.device != self._lane_device or self._world == 1
                 or self._closed or self._broken is not None or os.getpid() != self._pid):
             return None
         if rop is not None and rop != "sum" and rop != "prod" and not (
@@ -580,10 +581,13 @@ class _TorchCommunicator(Communicator):
 
     def _tensor_broadcast(self, tensor: torch.Tensor, src: int, timeout: float | None) -> None:
         opts = self._opts("BroadcastOptions", timeout, root=src)
-        self._native(self._group.broadcast, ([tensor], opts), timeout)
+        work = torch.view_as_real(tensor) if tensor.is_complex() else tensor  # moved as its (re, im) pairs
+        self._native(self._group.broadcast, ([work], opts), timeout)
 
     def _tensor_all_gather(self, out: torch.Tensor, tensor: torch.Tensor, rows: list[int],
                            timeout: float | None) -> None:
+        if tensor.is_complex():  # moved as (re, im) pairs: gloo's all-gather refuses complex types
+            out, tensor = torch.view_as_real(out), torch.view_as_real(tensor)
         g, opts = self._group, self._opts("AllgatherOptions", timeout)
         if rows.count(rows[0]) == len(rows):
             self._native(g._allgather_base, (out, tensor, opts), timeout)
