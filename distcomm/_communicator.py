@@ -213,7 +213,7 @@ def _owned_copy(view: memoryview) -> memoryview:
     """A copy of ``view`` in fresh, aligned memory of its own."""
     t = torch.empty(view.nbytes, dtype=torch.uint8)
     out = memoryview(t.numpy())  # type: ignore[arg-type]
-    out[:] = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    out[:] = _frame.flat(view)
     return out
 
 
@@ -849,11 +849,10 @@ class Communicator(abc.ABC):
 
     def _tensor_op(self, op: Op, root: int, tensor: torch.Tensor, rop: str | None, check: bool,
                    timeout: float | datetime.timedelta | None) -> torch.Tensor:
-        # The hot path of training loops (check=False above all): kept to few calls and lines.
         self._check_usable()
-        if check is not True and check is not False:
+        if not isinstance(check, bool):
             raise TypeError(f"check must be a bool, got {type(check).__name__}")
-        t = self._timeout if timeout is None else _seconds(timeout, self._timeout)
+        t = self._op_timeout(timeout)
         world = self.world_size
         problem = self._tensor_input_problem(op, tensor, rop)
         if problem is not None:
@@ -865,7 +864,7 @@ class Communicator(abc.ABC):
         x = tensor.reshape(1) if gathering and problem is None and tensor.dim() == 0 else tensor
         if world == 1 and self._alone:
             return x.clone() if gathering or op is Op.REDUCE_SCATTER_TENSOR else tensor
-        st = self._stats.get(op.label) or self._stat(op)
+        st = self._stat(op)
         t0 = time.perf_counter()
         if check:
             counts = self._tensor_check(op, root, tensor, rop, problem, t)
@@ -1694,7 +1693,7 @@ class Communicator(abc.ABC):
             pos = 0
             for seg in parts[0]:
                 n = seg.nbytes
-                view[pos : pos + n] = seg.cast("B") if seg.ndim != 1 or seg.format != "B" else seg
+                view[pos : pos + n] = _frame.flat(seg)
                 pos += n
         recvs = []
         k = 1

@@ -85,6 +85,11 @@ class Slot:
     later_segs: int = 0  # how many segments travel after the slots
 
 
+def flat(view: memoryview) -> memoryview:
+    """``view`` as one-dimensional unsigned bytes (a view, no copy): what slices of byte buffers take."""
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
 def table_size(part_lengths: Sequence[int]) -> int:
     return HEADER_SIZE + 4 * len(part_lengths) + 8 * sum(part_lengths)
 
@@ -123,7 +128,7 @@ def encode(
             nsegs += 1
             if data + n <= slot_size:
                 _I64.pack_into(out, pos, -(n + 1))
-                out[data : data + n] = seg.cast("B") if seg.ndim != 1 or seg.format != "B" else seg
+                out[data : data + n] = flat(seg)
                 data += n
             else:
                 _I64.pack_into(out, pos, n)
@@ -349,12 +354,12 @@ def pack_into(out: memoryview, segments: Sequence[memoryview]) -> None:
     _U32.pack_into(out, 0, len(segments))
     for i, (s, at) in enumerate(zip(segments, offsets, strict=True)):
         _I64.pack_into(out, 4 + 8 * i, s.nbytes)
-        out[at : at + s.nbytes] = s.cast("B") if s.format != "B" or s.ndim != 1 else s
+        out[at : at + s.nbytes] = flat(s)
 
 
 def unpack(buf: memoryview) -> list[memoryview]:
     """Split a packed buffer back into zero-copy views. Raises FrameError if malformed."""
-    mv = buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf
+    mv = flat(buf)
     n = mv.nbytes
     if n < 4:
         raise FrameError("packed segment shorter than its count")
