@@ -12,7 +12,7 @@ A collective runs in up to three steps, the same on every rank:
    memory. Nobody pads to the largest rank; a rank that needs nothing gets nothing. Who sends what
    to whom is computed per op in closed form, O(world): all_gather and gather in one all-to-all when
    that costs no copy or only small ones (every rank decides alike, from the slots), else point to
-   point; broadcast down a binary tree in pipelined chunks; scatter as a slot per receiver with that
+   point; broadcast down a split binary tree in pipelined chunks; scatter as a slot per receiver with that
    receiver's part only, then the part.
 3. Each receiver deserializes; out-of-band buffers become the results' memory. Python's cyclic
    garbage collector waits while large results load.
@@ -41,7 +41,7 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -186,6 +186,59 @@ def _tree_gather_totals(slots: _Slots, world: int, root: int, limit: int) -> np.
     if int(totals.max()) > limit or int(totals.sum()) - int(totals[root]) > limit:
         return None
     return totals
+
+
+class _Tree(NamedTuple):
+    """One rank's place in a broadcast tree, as offsets from the root (v = rank - root)."""
+
+    parent: int | None  # whom this rank's half comes from
+    children: list[int]  # whom it forwards its half to
+    mates: list[int]  # whom it also sends its half to: they hold the other half
+    other: int | None  # whom the other half comes from
+    second: bool = False  # this rank's half (from its parent) is the second one
+
+
+def _broadcast_tree(world: int, v: int, split: bool) -> _Tree:
+    """Where rank v (counted from the root) receives and sends a broadcast's bytes.
+
+    ``split=False``: a binary tree (v's parent (v - 1) // 2, children 2v + 1 and 2v + 2), the whole
+    payload down every edge; the root sends it twice. ``split=True``: the root sends the first half
+    to a binary tree over ranks 1..a and the second half to one over a + 1..world - 1 (a =
+    ceil((world - 1) / 2)); then rank i of each tree sends its half to rank i of the other, and the
+    first tree's last rank, when it has no counterpart, gets the second half from the second tree's
+    last rank (a leaf). The root sends the payload once, no rank sends more than 1.5 times it, and
+    every rank receives it once.
+    """
+    if not split or world < 3:
+        kids = [c for c in (2 * v + 1, 2 * v + 2) if c < world]
+        return _Tree(None if v == 0 else (v - 1) // 2, kids, [], None)
+    n = world - 1
+    a = (n + 1) // 2
+    b = n - a
+    if v == 0:
+        return _Tree(None, [1, 1 + a], [], None)
+    first = v <= a
+    start, size = (1, a) if first else (1 + a, b)
+    i = v - start
+    parent = 0 if i == 0 else start + (i - 1) // 2
+    kids = [start + c for c in (2 * i + 1, 2 * i + 2) if c < size]
+    if first:
+        mate = 1 + a + min(i, b - 1)  # the first tree's unmatched last rank: the second tree's last
+        return _Tree(parent, kids, [mate] if i < b else [], mate)
+    mates = [1 + i] + ([1 + b] if i == b - 1 and a > b else [])
+    return _Tree(parent, kids, mates, 1 + i, second=True)
+
+
+def _cut(bufs: list[torch.Tensor], lo: int, hi: int, step: int) -> list[torch.Tensor]:
+    """Views of bytes [lo, hi) of ``bufs`` laid end to end, in pieces of at most ``step`` bytes."""
+    out, pos = [], 0
+    for b in bufs:
+        n = b.numel()
+        start, end = max(lo - pos, 0), min(hi - pos, n)
+        for i in range(start, end, step):
+            out.append(b[i : min(i + step, end)])
+        pos += n
+    return out
 
 
 def _all_to_all_problem(objs: Any, world: int) -> str | None:
@@ -1585,7 +1638,7 @@ class Communicator(abc.ABC):
     """Broadcasts whose bytes after the slots are at most this many travel as one buffer, in one
     ``_broadcast_buffer`` call: a native broadcast where the transport has one (its tree runs in C++,
     and its root sends log2(world) copies, at most 640 KiB at 1,024 ranks). Larger ones go down
-    ``_tree_broadcast``'s binary tree, whose root sends at most two copies."""
+    ``_tree_send``'s split tree, whose root sends one copy."""
 
     def _tree_broadcast(
         self, root: int, slot: _frame.Slot, parts: list[list[memoryview]], timeout: float | None
@@ -1631,23 +1684,36 @@ class Communicator(abc.ABC):
         self._tree_send([buf], root, timeout)
 
     def _tree_send(self, bufs: list[torch.Tensor], root: int, timeout: float | None) -> None:
-        """Send the root's ``bufs`` into every rank's down a binary tree, in pipelined chunks.
+        """Send the root's ``bufs`` into every rank's down a tree, in pipelined chunks.
 
-        Ranks are numbered from the root (v = rank - root); v's parent is (v - 1) // 2 and its
-        children 2v + 1 and 2v + 2. Each rank receives every byte once and sends it to at most two
-        children, so the root sends at most twice the payload at any world size, and a chunk is
-        forwarded while the next one arrives.
+        Payloads over ``_BCAST_ONE_BUFFER`` split in two halves, each down a binary tree of half the
+        ranks, and the two trees then swap halves rank by rank (see ``_broadcast_tree``): the root
+        sends the payload once and no rank more than 1.5 times. Smaller ones go down one binary tree.
+        A chunk is forwarded while the next one arrives.
         """
         world = self.world_size
         v = (self.rank - root) % world
-        parent = None if v == 0 else ((v - 1) // 2 + root) % world
-        children = [(c + root) % world for c in (2 * v + 1, 2 * v + 2) if c < world]
         total = sum(b.numel() for b in bufs)
+        split = total > self._BCAST_ONE_BUFFER and world > 2
+        tree = _broadcast_tree(world, v, split)
         step = max(self._TREE_CHUNK, _frame.aligned(-(-total // self._TREE_MAX_CHUNKS)))
-        chunks = [b if b.numel() <= step else b[i : i + step] for b in bufs for i in range(0, b.numel(), step)]
-        for i in range(len(chunks) + 1):  # receive chunk i while chunk i - 1 goes on to the children
-            sends = [(c, chunks[i - 1]) for c in children] if i else []
-            recvs = [(parent, chunks[i])] if parent is not None and i < len(chunks) else []
+        half = total // 2 if split else total
+        first, second = _cut(bufs, 0, half, step), _cut(bufs, half, total, step)
+        if v == 0:  # the root: half to each tree (split), or all of it to each child
+            peers = [(c + root) % world for c in tree.children]
+            sends = [(p, c) for p in peers for c in first] if not split else (
+                [(peers[0], c) for c in first] + [(peers[1], c) for c in second])
+            self._xchg(sends, [], timeout)
+            return
+        mine, other = (second, first) if tree.second else (first, second)
+        ranks = [(c + root) % world for c in (*tree.children, *tree.mates)]
+        parent = ((tree.parent or 0) + root) % world
+        source = None if tree.other is None else (tree.other + root) % world
+        for i in range(max(len(mine), len(other)) + 1):  # receive chunk i while chunk i - 1 goes on
+            sends = [(r, mine[i - 1]) for r in ranks] if 0 < i <= len(mine) else []
+            recvs = [(parent, mine[i])] if i < len(mine) else []
+            if source is not None and 0 < i <= len(other):
+                recvs.append((source, other[i - 1]))
             if sends or recvs:
                 self._xchg(sends, recvs, timeout)
 

@@ -20,6 +20,7 @@ from .._communicator import (
     Communicator,
     Op,
     _all_to_all_problem,
+    _broadcast_tree,
     _dict_problem,
     _dict_signature,
     _reduce_digest,
@@ -224,12 +225,27 @@ class FakeCommunicator(Communicator):
         if kind is Op.GATHER and parts:
             self._peer_segs[r] = parts[0]  # every segment, should the gather go up the tree
         if kind is Op.BROADCAST:
-            v = (me - root) % self._size
-            if r == root and v:  # the root's bytes reach this rank through its parent in the tree
-                self._feed(((v - 1) // 2 + root) % self._size, self._later(slot, parts, 0))
+            if r == root and me != root:  # the root's bytes reach this rank down the broadcast's tree
+                self._feed_broadcast(root, self._later(slot, parts, 0))
         elif kind is not Op.GATHER or me == root:
             self._feed(r, self._later(slot, parts, 0))
         return slot
+
+    def _feed_broadcast(self, root: int, later: list[memoryview]) -> None:
+        """What ``_tree_send`` brings this rank: its half from its parent, the other from its mate."""
+        world = self._size
+        v = (self._rank - root) % world
+        total = sum(seg.nbytes for seg in later)
+        split = total > self._BCAST_ONE_BUFFER and world > 2
+        tree = _broadcast_tree(world, v, split)
+        if tree.other is None:
+            self._feed(((tree.parent or 0) + root) % world, later)
+            return
+        stream = memoryview(b"".join(later))
+        half = total // 2
+        mine, other = (stream[half:], stream[:half]) if tree.second else (stream[:half], stream[half:])
+        self._feed(((tree.parent or 0) + root) % world, [mine])
+        self._feed((tree.other + root) % world, [other])
 
     def _status_slot(self, r: int, status: int, message: str, size: int) -> bytearray:
         op, root, _ = self._ctx
