@@ -30,6 +30,8 @@ def tensor_problem(tensor: Any, op: str | None) -> str | None:
         return f"op='mean' needs a floating point or complex tensor, got {tensor.dtype}"
     if op in ("min", "max") and tensor.is_complex():
         return f"op={op!r} is not defined for complex tensors ({tensor.dtype})"
+    if op == "prod" and tensor.is_complex():  # (gloo refuses it, and NCCL has no complex types)
+        return f"op='prod' is not supported for complex tensors ({tensor.dtype}): they are reduced as (re, im) pairs"
     return None
 
 

@@ -573,6 +573,8 @@ class _TorchCommunicator(Communicator):
 
     def _tensor_reduce(self, tensor: torch.Tensor, dst: int | None, op: str, timeout: float | None) -> None:
         g = self._group
+        if tensor.is_complex():  # a sum (the only complex reduction) of (re, im) pairs: NCCL has no complex types
+            tensor = torch.view_as_real(tensor)
         if dst is None:
             self._native(g.allreduce, ([tensor], self._opts("AllreduceOptions", timeout, op)), timeout)
         else:
@@ -611,6 +613,8 @@ class _TorchCommunicator(Communicator):
 
     def _tensor_reduce_scatter(self, out: torch.Tensor, tensor: torch.Tensor, op: str, timeout: float | None) -> None:
         opts = self._opts("ReduceScatterOptions", timeout, op)
+        if tensor.is_complex():  # as in _tensor_reduce
+            out, tensor = torch.view_as_real(out), torch.view_as_real(tensor)
         self._native(self._group._reduce_scatter_base, (out, tensor, opts), timeout)
 
     # ------------------------------------------------------------------ sub-communicators

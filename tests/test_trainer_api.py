@@ -386,6 +386,10 @@ def _unchecked_calls(comm: distcomm.Communicator) -> dict[str, Any]:
         "complex gather": comm.all_gather_tensor((torch.ones(1) * (r + 1j)).conj(), check=False).tolist(),
         "complex uneven": comm.all_gather_tensor(torch.ones(r + 1) * (r + 1j)).tolist(),
         "complex broadcast": comm.broadcast_tensor(torch.ones(2) * (r + 1j), src=1, check=False).tolist(),
+        # complex reductions: sums of (re, im) pairs (NCCL has no complex types); no product (gloo refuses it)
+        "complex reduce": comm.reduce(torch.ones(2) * (r + 1j), dst=0, check=False).tolist(),
+        "complex reduce_scatter": comm.reduce_scatter_tensor(torch.arange(4) * (r + 1j), check=False).tolist(),
+        "complex prod": _error(lambda: comm.all_reduce(torch.ones(2, dtype=torch.complex64), "prod", check=False)),
     }
     if gloo:
         type(comm)._tensor_op = real  # type: ignore[method-assign]
@@ -401,13 +405,16 @@ def test_unchecked_tensor_collectives_agree_with_the_doubles() -> None:
     general path gives in the threaded world (which has no lane)."""
     gloo, threaded = spawn(_unchecked_calls, 2, timeout=120), run_threaded(_unchecked_calls, 2, timeout=60)
     # the gloo lane took the common cases: the general path saw only the rest, from "strided" on
+    rest = ["all_gather_tensor"] * 3 + ["broadcast_tensor", "reduce", "reduce_scatter_tensor", "all_reduce"]
     assert [g.pop("general") for g in gloo] == [["all_reduce"] * 5 + ["all_gather_tensor"] + ["all_reduce"] * 3
-                                                + ["all_gather_tensor"] * 3 + ["broadcast_tensor"]] * 2
+                                                + rest] * 2
     assert gloo == threaded
     assert gloo[0]["conj"] == [-2j, -2j] and gloo[0]["conj checked"] == [-2j, -2j]
     assert gloo[0]["neg view"] == [-2.0, -2.0] and gloo[0]["neg gather"] == [-1.0, -1.0]
     assert gloo[0]["complex gather"] == [-1j, 1 - 1j] and gloo[0]["complex uneven"] == [1j, 1 + 1j, 1 + 1j]
     assert gloo[0]["complex broadcast"] == [1 + 1j] * 2
+    assert gloo[0]["complex reduce"] == [1 + 2j] * 2 and gloo[1]["complex reduce_scatter"] == [2 + 4j, 3 + 6j]
+    assert gloo[0]["complex prod"][0] == "ValueError" and "not supported for complex" in gloo[0]["complex prod"][1]
     assert gloo[0]["sum"] == [3.0] * 3 and gloo[0]["mean"] == [1.5] * 3 and gloo[1]["broadcast"] == [2.0] * 3
     assert gloo[0]["gather 0-d"] == [0.0, 1.0] and gloo[0]["int mean"][0] == "ValueError"
     assert gloo[0]["closed"] == "CommunicatorStateError"
