@@ -254,7 +254,7 @@ def main() -> None:
     p2p_s, native_s = (0.0, 0.0) if args.no_post_costs else post_costs()
     print(f"transport posts, measured on a 2-rank gloo group here: {p2p_s * 1e6:.0f} µs of CPU per point-to-point "
           f"post, {native_s * 1e6:.0f} µs per native collective call\n")
-    print("| payload | op | world | distcomm | torch | distcomm/torch | distcomm posts: p2p + native (max rank) | "
+    print("| payload | op | world | distcomm | torch | distcomm/torch | distcomm posts: p2p + native (costliest rank) | "
           "with posts: distcomm | with posts: torch | with posts: distcomm/torch |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name in args.payload or PAYLOADS:
@@ -266,8 +266,8 @@ def main() -> None:
                 theirs = max(got)
                 note = "" if len(got) == 2 else " (root only)"
                 mine = max(t for t, _, _ in ours)
-                p2p, native = max((p, n) for _, p, n in ours)
-                with_ours = max(t + p * p2p_s + n * native_s for t, p, n in ours)
+                # the posts of the rank whose work, posts included, is the largest (what the last columns show)
+                with_ours, p2p, native = max((t + p * p2p_s + n * native_s, p, n) for t, p, n in ours)
                 with_theirs = theirs + TORCH_NATIVE[op] * native_s
                 print(f"| {name} | {op} | {world} | {ms(mine)} | {ms(theirs)}{note} | {mine / theirs:.2f} | "
                       f"{p2p} + {native} | {ms(with_ours)} | {ms(with_theirs)} | {with_ours / with_theirs:.2f} |",
