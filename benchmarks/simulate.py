@@ -254,8 +254,9 @@ def main() -> None:
     p2p_s, native_s = (0.0, 0.0) if args.no_post_costs else post_costs()
     print(f"transport posts, measured on a 2-rank gloo group here: {p2p_s * 1e6:.0f} µs of CPU per point-to-point "
           f"post, {native_s * 1e6:.0f} µs per native collective call\n")
-    print("| payload | op | world | distcomm | torch | distcomm/torch | distcomm posts: p2p + native (costliest rank) | "
-          "with posts: distcomm | with posts: torch | with posts: distcomm/torch |")
+    print("| payload | op | world | distcomm | torch | distcomm/torch "
+          "| distcomm posts: p2p + native (costliest rank) | with posts: distcomm | with posts: torch "
+          "| with posts: distcomm/torch |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name in args.payload or PAYLOADS:
         for op in args.op or OPS:

@@ -7,7 +7,9 @@ so each rank's interface counters (``/sys/class/net/eth0/statistics/{tx,rx}_byte
 what that rank put on and took off the wire: payload, gloo's framing, TCP/IP headers and ACKs.
 Every case runs a warm-up, then ``--calls`` calls between two counter reads (the ranks meet in
 the store before and after, outside the counted window). Prints, per case, the mean and the
-largest bytes sent and received per rank per call, and what rank 0 (every case's root) sent.
+largest bytes sent and received per rank per call, what rank 0 (every case's root) sent, and the
+CPU time per call of each rank's process, every thread included (gloo's own): the work a rank
+does per call, which on a machine with fewer cores than ranks includes the cost of sharing them.
 Needs root (``ip netns``); cleans up on exit.
 """
 
@@ -124,11 +126,13 @@ def worker(rank: int, world: int, port: int, cases: list[str], calls: int) -> No
         store.wait([f"ready/{i}/{q}" for q in range(world)])
         time.sleep(0.3)
         tx0, rx0 = _counters()
+        cpu0 = time.process_time()  # this process's CPU, every thread's (the transport's own included)
         for _ in range(n):
             fn()
+        cpu1 = time.process_time()
         time.sleep(0.3)
         tx1, rx1 = _counters()
-        out[name] = ((tx1 - tx0) / n, (rx1 - rx0) / n)
+        out[name] = ((tx1 - tx0) / n, (rx1 - rx0) / n, (cpu1 - cpu0) / n)
         store.set(f"done/{i}/{rank}", "1")
         store.wait([f"done/{i}/{q}" for q in range(world)])
     comm.close()
@@ -137,7 +141,7 @@ def worker(rank: int, world: int, port: int, cases: list[str], calls: int) -> No
     print(json.dumps({"rank": rank, "bytes": out}), flush=True)
 
 
-def measure(world: int, cases: list[str], calls: int) -> dict[str, list[tuple[float, float]]]:
+def measure(world: int, cases: list[str], calls: int) -> dict[str, list[tuple[float, float, float]]]:
     with socket.socket() as s:  # a port number; the store binds it inside the first namespace
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -155,6 +159,10 @@ def measure(world: int, cases: list[str], calls: int) -> dict[str, list[tuple[fl
                     p.kill()
     per_rank = [json.loads(o.strip().splitlines()[-1])["bytes"] for o in outs]
     return {c: [tuple(pr[c]) for pr in per_rank] for c in cases}
+
+
+def cpu_ms(x: float) -> str:
+    return f"{x * 1e3:.2f} ms"
 
 
 def kib(x: float) -> str:
@@ -175,14 +183,15 @@ def main() -> None:
         return
     cases = args.case or CASES
     print("| world | call | sent/rank (mean) | received/rank (mean) | sent (max rank) | received (max rank) "
-          "| sent by rank 0 (every root) |")
-    print("|---|---|---|---|---|---|---|")
+          "| sent by rank 0 (every root) | CPU per call (mean rank) | CPU per call (max rank) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for world in args.world:
         for case, rows in measure(world, cases, args.calls).items():
-            tx = [t for t, _ in rows]
-            rx = [x for _, x in rows]
+            tx = [t for t, _, _ in rows]
+            rx = [x for _, x, _ in rows]
+            cpu = [c for _, _, c in rows]
             print(f"| {world} | {case} | {kib(sum(tx) / world)} | {kib(sum(rx) / world)} | {kib(max(tx))} | "
-                  f"{kib(max(rx))} | {kib(tx[0])} |", flush=True)
+                  f"{kib(max(rx))} | {kib(tx[0])} | {cpu_ms(sum(cpu) / world)} | {cpu_ms(max(cpu))} |", flush=True)
 
 
 if __name__ == "__main__":
