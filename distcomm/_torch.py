@@ -172,6 +172,7 @@ class _TorchCommunicator(Communicator):
         self._peer_pids: dict[int, int] = {}  # same-machine peers' pids, from set-up
         self._local_group: Any = self._group
         self._machine_key = _machine_key(machine)
+        self._seq = -1  # set-up is call #0: the user's calls count from 1, as in the test doubles
         try:  # as a collective: other ranks' error messages then say this rank is in set-up, and where
             _exclusive(type(self)._setup)(self, self._machine_key)
         except BaseException:

@@ -141,7 +141,7 @@ def test_a_timeout_in_set_up_says_set_up_and_where(tmp_path: Any) -> None:
     script.write_text(_LATE_SETUP)
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120).stdout
     line = next(i for i, text in enumerate(_LATE_SETUP.splitlines(), 1) if "SETUP-SITE" in text)
-    assert _per_rank(out)[0] == f"in setup #1 at late_setup.py:{line}", out
+    assert _per_rank(out)[0] == f"in setup #0 at late_setup.py:{line}", out
 
 
 def test_set_up_is_not_a_users_last_collective() -> None:

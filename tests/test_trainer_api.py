@@ -390,6 +390,8 @@ def _unchecked_calls(comm: distcomm.Communicator) -> dict[str, Any]:
         "complex reduce": comm.reduce(torch.ones(2) * (r + 1j), dst=0, check=False).tolist(),
         "complex reduce_scatter": comm.reduce_scatter_tensor(torch.arange(4) * (r + 1j), check=False).tolist(),
         "complex prod": _error(lambda: comm.all_reduce(torch.ones(2, dtype=torch.complex64), "prod", check=False)),
+        # checked: the same error on every rank, numbered as the doubles number it (set-up isn't the user's call)
+        "complex prod checked": _error(lambda: comm.all_reduce(torch.ones(2, dtype=torch.complex64), "prod")),
     }
     if gloo:
         type(comm)._tensor_op = real  # type: ignore[method-assign]
@@ -405,7 +407,7 @@ def test_unchecked_tensor_collectives_agree_with_the_doubles() -> None:
     general path gives in the threaded world (which has no lane)."""
     gloo, threaded = spawn(_unchecked_calls, 2, timeout=120), run_threaded(_unchecked_calls, 2, timeout=60)
     # the gloo lane took the common cases: the general path saw only the rest, from "strided" on
-    rest = ["all_gather_tensor"] * 3 + ["broadcast_tensor", "reduce", "reduce_scatter_tensor", "all_reduce"]
+    rest = ["all_gather_tensor"] * 3 + ["broadcast_tensor", "reduce", "reduce_scatter_tensor"] + ["all_reduce"] * 2
     assert [g.pop("general") for g in gloo] == [["all_reduce"] * 5 + ["all_gather_tensor"] + ["all_reduce"] * 3
                                                 + rest] * 2
     assert gloo == threaded
@@ -415,6 +417,8 @@ def test_unchecked_tensor_collectives_agree_with_the_doubles() -> None:
     assert gloo[0]["complex broadcast"] == [1 + 1j] * 2
     assert gloo[0]["complex reduce"] == [1 + 2j] * 2 and gloo[1]["complex reduce_scatter"] == [2 + 4j, 3 + 6j]
     assert gloo[0]["complex prod"][0] == "ValueError" and "not supported for complex" in gloo[0]["complex prod"][1]
+    assert gloo[0]["complex prod checked"][0] == "CollectiveError"
+    assert gloo[0]["complex prod checked"][1].startswith("all_reduce #3 failed on ranks 0, 1")
     assert gloo[0]["sum"] == [3.0] * 3 and gloo[0]["mean"] == [1.5] * 3 and gloo[1]["broadcast"] == [2.0] * 3
     assert gloo[0]["gather 0-d"] == [0.0, 1.0] and gloo[0]["int mean"][0] == "ValueError"
     assert gloo[0]["closed"] == "CommunicatorStateError"
