@@ -73,31 +73,48 @@ def _bytes_per_call(comm: distcomm.Communicator) -> dict[str, tuple[int, int]]:
     return {op: (s.bytes_sent, s.bytes_received) for op, s in comm.stats.items()}
 
 
-def _check_bytes(r: int, n: int, got: dict[str, tuple[int, int]]) -> None:
-    slots = (n - 1) * _frame.HEADER_SLOT  # the header all-gather: what every call costs every rank
+def _header_bytes(r: int, n: int, gathered: bool, table: bool = False) -> tuple[int, int]:
+    """What the header exchange costs rank r of n, sent and received: Bruck's all-gather (the
+    doubles), or (gloo up to 16 ranks) a gather on rank 0, then gloo's binomial broadcast from it
+    of a summary (the common slot and the odd one) and, when the slots differ more (``table``),
+    of the whole table."""
+    slot = _frame.HEADER_SLOT
+    if not gathered:
+        return (n - 1) * slot, (n - 1) * slot
+    children = sum(1 for k in range(n.bit_length()) if 2**k > r and r + 2**k < n)
+    down = 8 + 2 * slot + (n * slot if table else 0)
+    if r == 0:
+        return children * down, (n - 1) * slot
+    return slot + children * down, down
+
+
+def _check_bytes(r: int, n: int, got: dict[str, tuple[int, int]], gathered: bool = False) -> None:
+    # what the header exchange costs this rank: when the slots are alike but for one, and otherwise
+    hs, hr = _header_bytes(r, n, gathered)
+    ts, tr = _header_bytes(r, n, gathered, table=True)
     overhead = 8 * 1024  # the pickle streams of the arrays, small tables
-    assert got["barrier"] == (slots, slots)
+    assert got["barrier"] == (hs, hr)
     sent, received = got["reduce_dict"]
-    assert sent <= slots + 2 * 8 * 8 and received <= slots + 2 * 8 * 8
+    assert sent <= ts + 2 * 8 * 8 and received <= tr + 2 * 8 * 8
     # gather: only the root receives the arrays; nobody else receives anything but the headers
     sent, received = got["gather"]
     if r == 0:
-        assert (n - 1) * MiB <= received <= (n - 1) * (MiB + overhead) + slots
+        assert (n - 1) * MiB <= received <= (n - 1) * (MiB + overhead) + tr
     else:
-        assert received == slots and MiB <= sent <= MiB + overhead + slots
+        assert received in (hr, tr) and MiB <= sent <= MiB + overhead + ts  # (equal sizes: alike slots)
     # broadcast: the root sends the payload once, no rank more than 1.5 times; everyone receives it once
     sent, received = got["broadcast"]
-    assert sent <= (8 * MiB + overhead) + slots if r == 2 else sent <= 1.5 * (8 * MiB + overhead) + slots
-    assert received == slots if r == 2 else 8 * MiB <= received <= 8 * MiB + slots + overhead
+    assert sent <= (8 * MiB + overhead) + hs if r == 2 else sent <= 1.5 * (8 * MiB + overhead) + hs
+    assert received == hr if r == 2 else 8 * MiB <= received <= 8 * MiB + hr + overhead
     # scatter: each rank receives its own part only
     sent, received = got["scatter"]
     if r == 1:
-        assert (n - 1) * MiB <= sent <= (n - 1) * (MiB + overhead) + slots
+        assert (n - 1) * MiB <= sent <= (n - 1) * (MiB + overhead) + hs
     else:
-        assert MiB <= received <= MiB + overhead + slots + _frame.HEADER_SLOT
+        assert MiB <= received <= MiB + overhead + hr + _frame.HEADER_SLOT
     # a small all_gather: headers, then each rank's few hundred bytes to each peer
     sent, received = got["all_gather"]
-    assert sent <= slots + (n - 1) * 512 and received <= slots + (n - 1) * 512
+    assert sent <= ts + (n - 1) * 512 and received <= tr + (n - 1) * 512
 
 
 def test_bytes_per_rank_threaded_world_of_8() -> None:
@@ -108,7 +125,7 @@ def test_bytes_per_rank_threaded_world_of_8() -> None:
 @pytest.mark.slow
 def test_bytes_per_rank_gloo_world_of_8() -> None:
     for r, got in enumerate(spawn(_bytes_per_call, 8, timeout=180)):
-        _check_bytes(r, 8, got)
+        _check_bytes(r, 8, got, gathered=True)
 
 
 def _tree_contents(comm: distcomm.Communicator) -> list[float]:
@@ -183,19 +200,64 @@ def _check_small_broadcast(results: list[dict[str, Any]], binomial: bool) -> Non
     want = [float(np.arange(1001, dtype=np.float64)[1:].sum()), int(np.arange(1037, dtype=np.int8).sum()),
             float(torch.arange(3001, dtype=torch.float32).sum()), 5000]
     root = results[0]["root"]
-    slots = (n - 1) * (_frame.HEADER_SLOT if n > _frame.SMALL_WORLD else 4096)
-    later = results[(root + 1) % n]["moved"][1] - slots  # what a receiver got after the slots
+
+    def header(r: int) -> tuple[int, int]:
+        small = (n - 1) * 4096
+        return (small, small) if n <= _frame.SMALL_WORLD else _header_bytes(r, n, gathered=binomial)
+
+    receiver = (root + 1) % n
+    later = results[receiver]["moved"][1] - header(receiver)[1]  # what a receiver got after the slots
     assert 8 * 1001 + 1037 + 4 * 3001 <= later <= distcomm.Communicator._BCAST_ONE_BUFFER
     for r, got in enumerate(results):
         if r != root:
             assert got["sums"] == want and got["aligned"] == [True, True, True]
-            assert got["moved"][1] == slots + later
+            assert got["moved"][1] == header(r)[1] + later
     # the root sends one copy per child: log2(world) children in gloo's binomial tree, 2 in the doubles' tree
     children = (n - 1).bit_length() if binomial else min(2, n - 1)
-    assert results[root]["moved"][0] == slots + children * later
+    assert results[root]["moved"][0] == header(root)[0] + children * later
 
 
 _ONE_KIB_OOB = distcomm.PickleSerializer(oob_threshold=1024)
+
+
+def _headers_both_ways(comm: distcomm.Communicator, bruck: bool) -> dict[str, Any]:
+    """Beyond 4 ranks the gloo communicator exchanges header slots by a native gather and broadcast
+    (up to 64 ranks) or by Bruck's all-gather (beyond): the same results and errors either way."""
+    cls = type(comm)
+    if bruck:
+        cls._GATHERED_HEADERS_WORLD = 4  # type: ignore[attr-defined]
+    try:
+        r = comm.rank
+        comm.reset_stats()
+        comm.synchronize()
+        out: dict[str, Any] = {"barrier": (comm.stats["barrier"].bytes_sent, comm.stats["barrier"].bytes_received)}
+        out["all_gather"] = comm.all_gather({"r": r, "s": "x" * r})
+        out["broadcast"] = comm.broadcast({"from": r} if r == 3 else None, src=3)
+        out["gather"] = comm.gather(r * 10, dst=2)
+        out["reduce_dict"] = {k: float(v) for k, v in comm.reduce_dict({"a": torch.tensor(float(r))}).items()}
+        try:  # rank 0 calls another collective than its peers: every rank raises the same error
+            comm.gather(r) if r == 0 else comm.all_gather(r)
+        except distcomm.CollectiveMismatchError as e:
+            out["mismatch"] = str(e)
+        out["after"] = comm.all_gather(r)
+        return out
+    finally:
+        if bruck:
+            del cls._GATHERED_HEADERS_WORLD  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("bruck", [False, True])
+def test_header_exchange_beyond_small_worlds_gloo(bruck: bool) -> None:
+    n = 6
+    results = spawn(lambda comm: _headers_both_ways(comm, bruck), n, timeout=120)
+    for r, got in enumerate(results):
+        assert got["barrier"] == _header_bytes(r, n, gathered=not bruck)
+        assert got["all_gather"] == [{"r": i, "s": "x" * i} for i in range(n)]
+        assert got["broadcast"] == {"from": 3}
+        assert got["gather"] == ([i * 10 for i in range(n)] if r == 2 else [])
+        assert got["reduce_dict"] == ({"a": 15 / n} if r == 0 else {"a": float(r)})
+        assert got["mismatch"] == results[0]["mismatch"] and "rank 0" in got["mismatch"]
+        assert got["after"] == list(range(n))
 
 
 @pytest.mark.parametrize("world_size", [3, 6])
@@ -227,21 +289,22 @@ def _tree_gather(comm: distcomm.Communicator) -> dict[str, Any]:
     return out
 
 
-def _check_tree_gather(results: list[dict[str, Any]]) -> None:
+def _check_tree_gather(results: list[dict[str, Any]], gathered: bool = False) -> None:
     n = len(results)
     root = n - 3
     want = [(i, float(np.arange(900 + 37 * i, dtype=np.float64)[1:].sum()), 900 + 37 * i, "y" * (5 * i))
             for i in range(n)]
     assert results[root]["got"] == want and results[root]["aligned"]
-    slots = (n - 1) * _frame.HEADER_SLOT
+    hs, hr = _header_bytes(root, n, gathered, table=True)  # (the slots differ: every rank's sizes differ)
     # the root receives every other rank's bytes once, and sends nothing after the slots
-    assert results[root]["moved"] == (slots, slots + sum(res["own"] for i, res in enumerate(results) if i != root))
+    assert results[root]["moved"] == (hs, hr + sum(res["own"] for i, res in enumerate(results) if i != root))
     for i, res in enumerate(results):
         v = (i - root) % n
+        hs, hr = _header_bytes(i, n, gathered, table=True)
         if v % 2:  # a leaf of the binomial tree sends its own bytes, once, and receives nothing more
-            assert res["moved"] == (slots + res["own"], slots)
+            assert res["moved"] == (hs + res["own"], hr)
         if i != root:  # an inner rank forwards its subtree's bytes: never more than the tree's limit
-            assert res["moved"][1] - slots <= distcomm.Communicator._TREE_GATHER_BYTES
+            assert res["moved"][1] - hr <= distcomm.Communicator._TREE_GATHER_BYTES
 
 
 @pytest.mark.parametrize("world_size", [9, 13])
@@ -264,7 +327,7 @@ def test_small_gather_goes_up_a_binomial_tree_threaded(world_size: int, tree: bo
 
 @pytest.mark.slow
 def test_small_gather_goes_up_a_binomial_tree_gloo() -> None:
-    _check_tree_gather(spawn(_tree_gather, 6, timeout=120, serializer=_ONE_KIB_OOB))
+    _check_tree_gather(spawn(_tree_gather, 6, timeout=120, serializer=_ONE_KIB_OOB), gathered=True)
 
 
 @pytest.mark.parametrize("rank", [0, 3, 6, 7, 10, 12])  # 10: the root, fed by its children's subtrees
@@ -278,3 +341,22 @@ def test_fake_gather_runs_the_tree_as_its_peers_would(rank: int) -> None:
         assert all(np.array_equal(g["a"], o["a"]) for g, o in zip(got, objs, strict=True))
     else:
         assert got == []
+
+
+@pytest.mark.parametrize("odd", [[], [0], [1], [5], [6], [0, 1], [2, 4], [0, 6]])
+def test_header_summary_names_the_one_odd_slot_or_asks_for_the_table(odd: list[int]) -> None:
+    from distcomm._torch import _summarize
+
+    world, size = 7, _frame.HEADER_SLOT
+    table = bytearray(b"c" * size * world)
+    for r in odd:
+        table[r * size : (r + 1) * size] = bytes([r]) * size
+    out = memoryview(bytearray(8 + 2 * size))
+    _summarize(memoryview(table), world, size, out)
+    word = int.from_bytes(out[:8], "little", signed=True)
+    if len(odd) > 1:
+        assert word == -1
+    else:
+        assert word == (odd[0] + 1 if odd else 0) and bytes(out[8 : 8 + size]) == b"c" * size
+        if odd:
+            assert bytes(out[8 + size :]) == bytes([odd[0]]) * size
