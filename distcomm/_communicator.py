@@ -207,8 +207,8 @@ def _broadcast_tree(world: int, v: int, split: bool) -> _Tree:
     to a binary tree over ranks 1..a and the second half to one over a + 1..world - 1 (a =
     ceil((world - 1) / 2)); then rank i of each tree sends its half to rank i of the other, and the
     first tree's last rank, when it has no counterpart, gets the second half from the second tree's
-    last rank (a leaf). The root sends the payload once, no rank sends more than 1.5 times it, and
-    every rank receives it once.
+    last rank (a leaf). The root sends the payload once, no rank sends more than 1.5 times it (and a
+    byte, for an odd size), and every rank receives it once.
     """
     if not split or world < 3:
         kids = [c for c in (2 * v + 1, 2 * v + 2) if c < world]
@@ -1689,7 +1689,8 @@ class Communicator(abc.ABC):
 
         Payloads over ``_BCAST_ONE_BUFFER`` split in two halves, each down a binary tree of half the
         ranks, and the two trees then swap halves rank by rank (see ``_broadcast_tree``): the root
-        sends the payload once and no rank more than 1.5 times. Smaller ones go down one binary tree.
+        sends the payload once and no rank more than 1.5 times (and a byte). Smaller ones go down one
+        binary tree.
         A chunk is forwarded while the next one arrives.
         """
         world = self.world_size
@@ -1700,11 +1701,11 @@ class Communicator(abc.ABC):
         step = max(self._TREE_CHUNK, _frame.aligned(-(-total // self._TREE_MAX_CHUNKS)))
         half = total // 2 if split else total
         first, second = _cut(bufs, 0, half, step), _cut(bufs, half, total, step)
-        if v == 0:  # the root: half to each tree (split), or all of it to each child
-            peers = [(c + root) % world for c in tree.children]
-            sends = [(p, c) for p in peers for c in first] if not split else (
-                [(peers[0], c) for c in first] + [(peers[1], c) for c in second])
-            self._xchg(sends, [], timeout)
+        if v == 0:  # the root: half to each tree (split), or all of it to each child; a chunk per step,
+            peers = [(c + root) % world for c in tree.children]  # each step within the timeout
+            routes = [(peers[0], first), (peers[1], second)] if split else [(p, first) for p in peers]
+            for i in range(max(len(first), len(second))):
+                self._xchg([(p, chunks[i]) for p, chunks in routes if i < len(chunks)], [], timeout)
             return
         mine, other = (second, first) if tree.second else (first, second)
         ranks = [(c + root) % world for c in (*tree.children, *tree.mates)]

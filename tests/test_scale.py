@@ -360,3 +360,26 @@ def test_header_summary_names_the_one_odd_slot_or_asks_for_the_table(odd: list[i
         assert word == (odd[0] + 1 if odd else 0) and bytes(out[8 : 8 + size]) == b"c" * size
         if odd:
             assert bytes(out[8 + size :]) == bytes([odd[0]]) * size
+
+
+def _root_steps(comm: distcomm.Communicator) -> list[int]:
+    """How many chunks the broadcast root posts per step (each step waits within the timeout)."""
+    steps: list[int] = []
+    real = comm._xchg  # type: ignore[attr-defined]
+
+    def spy(sends: Any, recvs: Any, timeout: Any) -> None:
+        steps.append(len(sends))
+        real(sends, recvs, timeout)
+
+    comm._xchg = spy  # type: ignore[attr-defined]
+    comm.broadcast(np.ones(2 * MiB // 8) if comm.rank == 0 else None, src=0)
+    return steps
+
+
+def test_broadcast_root_posts_a_chunk_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A large broadcast's root sends one chunk to each tree per step, each waited on within the
+    timeout, as its receivers do: never the whole payload under one deadline."""
+    monkeypatch.setattr(distcomm.Communicator, "_TREE_CHUNK", 256 * 1024)
+    steps = run_threaded(_root_steps, 5, timeout=60)[0]
+    # 2 MiB and a pickle stream: halves of five 256 KiB chunks, one to each tree per step
+    assert steps == [2] * 5
