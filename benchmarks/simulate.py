@@ -34,8 +34,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from distcomm import Communicator, GlooCommunicator, _frame
-from distcomm._torch import _summarize
+from distcomm import Communicator, _frame
+from distcomm._torch import _header_blocks, _summarize
 from distcomm.testing import FakeCommunicator
 
 MiB = 1 << 20
@@ -47,6 +47,16 @@ def payload(name: str, rank: int) -> Any:
     if name == "dict of 8 floats":
         return {f"metric_{i}": float(rank + i / 7) for i in range(8)}
     return np.full(MiB // 8, float(rank))
+
+
+def header_calls(world: int, rank: int, table: bool) -> int:
+    """The native calls of gloo's header exchange on ``rank`` (see ``_gather_headers``), with the
+    ranks on machines of 8: a gather and a broadcast (two with the table) in its block, and as many
+    among the blocks' first ranks when it is one."""
+    blocks = _header_blocks(world, [list(range(m, min(m + 8, world))) for m in range(0, world, 8)])
+    block = next(b for b in blocks if rank in b)
+    level = 2 + table  # a gather, the summary's broadcast, the table's
+    return (level if len(block) > 1 else 0) + (level if block[0] == rank and len(blocks) > 1 else 0)
 
 
 class SimCommunicator(FakeCommunicator):
@@ -84,12 +94,13 @@ class SimCommunicator(FakeCommunicator):
                     np.frombuffer(patched, dtype=_frame._header_dtype(size), count=1)["seq"] = self._seq
                     q[i] = memoryview(patched)
         world = self.world_size
-        if world > GlooCommunicator._GATHERED_HEADERS_WORLD:  # Bruck's rounds: a send and a receive each
-            self.p2p += 2 * max(1, (world - 1).bit_length())
-        elif world > 4:  # gloo's gather, its summary's broadcast, and the table's when the slots differ
+        if world > 4:  # gloo's header exchange over machines of 8 (one machine up to 8 ranks)
             summary = memoryview(bytearray(8 + 2 * size))
+            t1 = time.thread_time()
             _summarize(memoryview(buf), world, size, summary)
-            self.native += 3 if int.from_bytes(summary[:8], "little", signed=True) == -1 else 2
+            if self.rank == 0:  # the summary is rank 0's own work, not the transport's
+                t0 += time.thread_time() - t1
+            self.native += header_calls(world, self.rank, int.from_bytes(summary[:8], "little", signed=True) == -1)
         else:  # gloo's all-to-all
             self.native += 1
         self.transport_s += time.thread_time() - t0

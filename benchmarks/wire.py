@@ -115,7 +115,7 @@ def worker(rank: int, world: int, port: int, cases: list[str], calls: int) -> No
     os.environ["GLOO_SOCKET_IFNAME"] = "eth0"
     store = dist.TCPStore(f"{SUBNET}.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=120))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    comm = distcomm.GlooCommunicator()
+    comm = distcomm.GlooCommunicator(machine=rank)  # one host per rank (the namespaces share a host name)
     out = {}
     for i, name in enumerate(cases):
         fn = _case(name, comm)

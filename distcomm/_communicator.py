@@ -7,8 +7,9 @@ A collective runs in up to three steps, the same on every rank:
    segments that fit (small objects are then done in one round trip). Every rank now knows every
    rank's sizes, failures and what it called, so all ranks take the same decision: raise the same
    error, or go on. Small worlds exchange ``slot_bytes`` slots in one step; larger ones exchange
-   64-byte header slots with Bruck's all-gather (log2(world) messages per rank; the torch
-   transports gather them natively up to 16 ranks).
+   64-byte header slots: the torch transports in native gathers and broadcasts over blocks of ranks
+   (the machines, or runs of sqrt(world) ranks), the test doubles with Bruck's all-gather
+   (log2(world) messages per rank).
 2. Segments that did not fit move into buffers of their exact size, sent from the sender's own
    memory. Nobody pads to the largest rank; a rank that needs nothing gets nothing. Who sends what
    to whom is computed per op in closed form, O(world): all_gather and gather in one all-to-all when

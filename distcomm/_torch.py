@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import math
 import os
 import queue
 import secrets
@@ -14,6 +15,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar, Literal, NoReturn
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -99,16 +101,42 @@ _I64 = struct.Struct("<q")
 def _summarize(table: memoryview, world: int, size: int, out: memoryview) -> None:
     """Write into ``out`` (8 + 2 * size bytes) the short form of a table of ``world`` slots when all
     but at most one are alike: the odd rank + 1 (0: none), the common slot, the odd slot; else -1."""
-    rows = [bytes(table[r * size : (r + 1) * size]) for r in range(world)]
-    common = rows[0] if rows[0] == rows[1] or world < 3 or rows[0] == rows[2] else rows[1]
-    odd = [r for r in range(world) if rows[r] != common]
-    if len(odd) > 1:
+    word = np.uint64 if size % 8 == 0 else np.uint8  # (compared in words: 8 times fewer steps)
+    rows = np.frombuffer(table, dtype=word, count=world * size // np.dtype(word).itemsize).reshape(world, -1)
+    common = rows[0] if world < 3 or (rows[0] == rows[1]).all() or (rows[0] == rows[2]).all() else rows[1]
+    odd = np.flatnonzero(rows != common) // rows.shape[1]  # the rows that differ, once per word that does
+    if len(odd) and odd[0] != odd[-1]:
         _I64.pack_into(out, 0, -1)
         return
-    _I64.pack_into(out, 0, odd[0] + 1 if odd else 0)
-    out[8 : 8 + size] = common
-    if odd:
-        out[8 + size :] = rows[odd[0]]
+    _I64.pack_into(out, 0, int(odd[0]) + 1 if len(odd) else 0)
+    out[8 : 8 + size] = common.tobytes()
+    if len(odd):
+        out[8 + size :] = rows[odd[0]].tobytes()
+
+
+_MACHINE_BLOCK_MAX = 64
+
+
+def _header_blocks(world: int, machines: list[list[int]]) -> list[list[int]]:
+    """The blocks of the header exchange (``_TorchCommunicator._gather_headers``): each block's
+    first rank gathers its block's slots, and rank 0 gathers those blocks' tables from their first
+    ranks. The machines, when each holds two ranks or more (and at most ``_MACHINE_BLOCK_MAX``): the
+    first level then stays inside each machine, and one machine is one block (a gather on rank 0);
+    else (machines of one rank, or too large) runs of ceil(sqrt(world)) consecutive ranks, so that no
+    rank handles more than about 2 sqrt(world) messages."""
+    if world <= _frame.SMALL_WORLD:
+        return [list(range(world))]
+    if min(len(m) for m in machines) >= 2 and max(len(m) for m in machines) <= _MACHINE_BLOCK_MAX \
+            and machines[0][0] == 0:
+        return [list(m) for m in machines]
+    b = math.isqrt(world - 1) + 1
+    return [list(range(i, min(i + b, world))) for i in range(0, world, b)]
+
+
+def _binomial_children(m: int, v: int) -> int:
+    """How many ranks gloo's binomial broadcast in a group of ``m`` has rank ``v`` (from the root)
+    send to: v + 2**k for every 2**k > v."""
+    return sum(1 for k in range(m.bit_length()) if 2**k > v and v + 2**k < m)
 
 
 def _process_id() -> tuple[str, int, int]:
@@ -190,6 +218,13 @@ class _TorchCommunicator(Communicator):
         self._token = ""
         self._peer_pids: dict[int, int] = {}  # same-machine peers' pids, from set-up
         self._local_group: Any = self._group
+        # the header exchange's blocks, this rank's block and the groups it gathers and broadcasts
+        # in (see _gather_headers); until set-up has made them, one block: the whole group
+        self._blocks: list[list[int]] = [list(range(self._world))]
+        self._block: list[int] = self._blocks[0]
+        self._place = (0, self._rank)  # (this rank's block, its place in it)
+        self._block_group: Any = self._obj_group
+        self._leader_group: Any = None
         self._machine_key = _machine_key(machine)
         self._seq = -1  # set-up is call #0: the user's calls count from 1, as in the test doubles
         try:  # as a collective: other ranks' error messages then say this rank is in set-up, and where
@@ -242,6 +277,27 @@ class _TorchCommunicator(Communicator):
             group = self._group if len(machines) == 1 else self._new_group(members, self._local_backend())
             if self._rank in members:
                 self._local_group = group
+        self._set_header_blocks(_header_blocks(self._world, machines),
+                                machines if self._obj_group is self._group else None)
+
+    def _set_header_blocks(self, blocks: list[list[int]], machines: list[list[int]] | None) -> None:
+        """Make the groups of the header exchange's ``blocks`` (every rank makes every group, in the
+        same order); ``machines``: where blocks that are machines may use the machine groups."""
+        self._blocks = blocks
+        self._place = next((i, b.index(self._rank)) for i, b in enumerate(blocks) if self._rank in b)
+        self._block = blocks[self._place[0]]
+        if len(blocks) == 1:
+            self._block_group, self._leader_group = self._obj_group, None
+            return
+        self._block_group = None
+        for block in blocks:
+            if len(block) == 1:
+                continue
+            group = (self._local_group if machines is not None and blocks == machines
+                     else self._new_group(block, "gloo"))
+            if self._rank in block:
+                self._block_group = group
+        self._leader_group = self._new_group([b[0] for b in blocks], "gloo")
 
     # ------------------------------------------------------------------ identity
     @property
@@ -286,6 +342,7 @@ class _TorchCommunicator(Communicator):
                 pass
         if destroyed:  # let go of them, so that they are torn down now where nothing else holds them
             self._group = self._obj_group = self._local_group = self._store = None
+            self._block_group = self._leader_group = None
 
     # ------------------------------------------------------------------ transport
     # Waits longer than a slice look, between slices, at Ctrl-C and at the peers' processes. A
@@ -426,47 +483,72 @@ class _TorchCommunicator(Communicator):
             cached = self._opts_cache = (timeout, opts)
         return cached[1]
 
-    _GATHERED_HEADERS_WORLD = 16
-    """Worlds beyond SMALL_WORLD ranks and up to this size exchange header slots in native
-    collectives (``_gather_headers``) rather than Bruck's log2(world) rounds of point-to-point
-    messages, which cost a Python round trip and a waiter thread each: measured here at 8 and 16
-    ranks, about a third of the CPU and of the wall time, and fewer bytes per rank on average
-    (rank 0, the gather root, moves more: about 4 KiB sent and 5 KiB received on a barrier at 16)."""
-
     def _allgather_slots(self, slot: bytearray, size: int, timeout: float | None) -> memoryview:
-        if _frame.SMALL_WORLD < self._world <= self._GATHERED_HEADERS_WORLD:
+        if self._world > _frame.SMALL_WORLD:
             return self._gather_headers(slot, size, timeout)
         return super()._allgather_slots(slot, size, timeout)
 
     def _gather_headers(self, slot: bytearray, size: int, timeout: float | None) -> memoryview:
-        """Every rank's slot: gathered on rank 0 (each rank sends its own, once); rank 0 then
-        broadcasts (gloo's binomial tree) a short summary when every slot but at most one is the
-        same (agreement-only calls, broadcast, scatter: one common slot and the odd one), or else
-        the whole table, after the summary that says so."""
-        world, me = self._world, self._rank
+        """Every rank's slot, in native collectives over the blocks of ``_header_blocks``, in two levels.
+
+        Up: each block's first rank gathers its block's slots (one message from each rank), and rank 0
+        gathers those tables from the blocks' first ranks. Down: rank 0 broadcasts a short summary
+        when every slot but at most one is the same (agreement-only calls, broadcast, scatter: the
+        common slot and the odd one), or else the whole table after the summary that says so: to the
+        blocks' first ranks, each of which broadcasts it in its block (gloo's binomial trees).
+        A rank that leads no block makes two native calls (three with the table); one that does,
+        four (six). With one block (set-up, small worlds) it is a gather and a broadcast."""
+        world, me, blocks, block = self._world, self._rank, self._blocks, self._block
         out = torch.empty(world * size, dtype=torch.uint8)
         view = memoryview(out.numpy())  # type: ignore[arg-type]
         view[me * size : (me + 1) * size] = slot
         mine = out[me * size : (me + 1) * size]
-        outs = [[out[r * size : (r + 1) * size] for r in range(world)]] if me == 0 else []
-        if me == 0:
-            self._count(0, size * (world - 1))
-        else:
-            self._count(size, 0)
-        self._native(self._obj_group.gather, (outs, [mine], self._opts("GatherOptions", timeout, root=0)), timeout)
+        leaders = self._leader_group if block[0] == me else None  # two levels, and this rank leads a block
+        wide = max(len(b) for b in blocks) * size
+        held = mine if leaders is None else torch.zeros(wide, dtype=torch.uint8)  # what this rank sends up
+        if len(block) > 1:
+            outs: list[list[torch.Tensor]] = []
+            if block[0] == me:
+                into = out if leaders is None else held
+                outs = [[into[i * size : (i + 1) * size] for i in range(len(block))]]
+                self._count(0, (len(block) - 1) * size)
+            else:
+                self._count(size, 0)
+            self._native(self._block_group.gather, (outs, [mine], self._opts("GatherOptions", timeout, root=0)),
+                         timeout)
+        elif leaders is not None:
+            held[:size] = mine
+        if leaders is not None:
+            tables = torch.empty(len(blocks) * wide if me == 0 else 0, dtype=torch.uint8)
+            outs = [[tables[i * wide : (i + 1) * wide] for i in range(len(blocks))]] if me == 0 else []
+            self._count(0, (len(blocks) - 1) * wide) if me == 0 else self._count(wide, 0)
+            self._native(leaders.gather, (outs, [held], self._opts("GatherOptions", timeout, root=0)), timeout)
+            if me == 0:
+                rows, got = out.numpy().reshape(world, size), tables.numpy().reshape(len(blocks), -1, size)
+                for i, b in enumerate(blocks):
+                    rows[b] = got[i, : len(b)]
         summary = torch.zeros(8 + 2 * size, dtype=torch.uint8)  # odd rank + 1 (0: none; -1: the table follows)
         sview = memoryview(summary.numpy())  # type: ignore[arg-type]
         if me == 0:
             _summarize(view, world, size, sview)
-        self._broadcast_buffer(summary, 0, timeout)
+        self._headers_down(summary, leaders, timeout)
         odd = _I64.unpack_from(sview, 0)[0] - 1
         if odd == -2:
-            self._broadcast_buffer(out, 0, timeout)
+            self._headers_down(out, leaders, timeout)
         elif me != 0:
-            common, other = sview[8 : 8 + size], sview[8 + size :]
-            for r in range(world):
-                view[r * size : (r + 1) * size] = other if r == odd else common
+            rows = out.numpy().reshape(world, size)
+            rows[:] = np.frombuffer(sview, dtype=np.uint8, count=size, offset=8)
+            if odd >= 0:
+                rows[odd] = np.frombuffer(sview, dtype=np.uint8, count=size, offset=8 + size)
         return view
+
+    def _headers_down(self, buf: torch.Tensor, leaders: Any, timeout: float | None) -> None:
+        """Rank 0's ``buf`` to every rank: to the blocks' first ranks, then within each block."""
+        i, pos = self._place
+        if leaders is not None:
+            self._broadcast_in(leaders, len(self._blocks), i, buf, timeout)
+        if len(self._block) > 1:
+            self._broadcast_in(self._block_group, len(self._block), pos, buf, timeout)
 
     def _allgather_small(self, slot: bytearray, size: int, timeout: float | None) -> memoryview:
         # An all-to-all of the slot repeated once per rank (small worlds only): gloo runs it as
@@ -512,18 +594,15 @@ class _TorchCommunicator(Communicator):
         self._wait([work], timeout)
 
     def _broadcast_buffer(self, buf: torch.Tensor, root: int, timeout: float | None) -> None:
-        # gloo's broadcast: one post, a binomial tree in C++ (rank v from the root forwards to v + 2**k
-        # for every 2**k > v), counted as such
-        world, v = self._world, (self._rank - root) % self._world
-        children = sum(1 for k in range(world.bit_length()) if 2**k > v and v + 2**k < world)
+        self._broadcast_in(self._obj_group, self._world, (self._rank - root) % self._world, buf, timeout, root)
+
+    def _broadcast_in(self, group: Any, members: int, v: int, buf: torch.Tensor, timeout: float | None,
+                      root: int = 0) -> None:
+        """gloo's broadcast of ``buf`` in ``group`` (of ``members`` ranks, this one ``v`` from the
+        root): one post, a binomial tree in C++, counted as such (``_binomial_children``)."""
         n = buf.numel()
-        self._count(children * n, 0 if v == 0 else n)
-        opts = self._opts("BroadcastOptions", timeout, root=root)
-        try:
-            work = self._obj_group.broadcast([buf], opts)
-        except Exception as e:
-            self._fail(e, timeout)
-        self._wait([work], timeout)
+        self._count(_binomial_children(members, v) * n, 0 if v == 0 else n)
+        self._native(group.broadcast, ([buf], self._opts("BroadcastOptions", timeout, root=root)), timeout)
 
     def _reduce_tensor(self, tensor: torch.Tensor, dst: int | None, timeout: float | None) -> None:
         self._tensor_reduce(tensor, dst, "sum", timeout)

@@ -7,6 +7,8 @@ The suite runs it on LocalCommunicator, FakeCommunicator, the threaded world and
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -152,6 +154,27 @@ def exercise_trainer(comm: distcomm.Communicator) -> dict[str, Any]:
     group = comm.new_group(members)
     out["new_group"] = None if group is None else (group.rank, group.world_size, group.all_gather({"small": r}))
     return out
+
+
+@contextlib.contextmanager
+def header_blocks(comm: distcomm.Communicator, blocks: list[list[int]]) -> Iterator[None]:
+    """A gloo communicator's header exchange over ``blocks`` inside the block (collective: every
+    rank makes the blocks' groups), then as it was, for the next test in a reused world."""
+    c: Any = comm
+    saved = (c._blocks, c._place, c._block, c._block_group, c._leader_group)
+    c._set_header_blocks(blocks, None)
+    try:
+        yield
+    finally:
+        c._blocks, c._place, c._block, c._block_group, c._leader_group = saved
+
+
+def exercise_in_blocks(comm: distcomm.Communicator) -> dict[str, Any]:
+    """``exercise`` with the header exchange in two levels, as on hosts of one rank each."""
+    from distcomm._torch import _header_blocks
+
+    with header_blocks(comm, _header_blocks(comm.world_size, [[r] for r in range(comm.world_size)])):
+        return exercise(comm)
 
 
 def exercise_point_to_point(comm: distcomm.Communicator) -> dict[str, Any]:

@@ -7,7 +7,7 @@ import pytest
 
 import distcomm
 from distcomm.testing import FakeCommunicator, run_threaded, spawn
-from tests.contract import check, exercise, exercise_alltoall, exercise_point_to_point, peers
+from tests.contract import check, exercise, exercise_alltoall, exercise_in_blocks, exercise_point_to_point, peers
 
 
 def test_local() -> None:
@@ -32,11 +32,18 @@ def test_threaded(world_size: int) -> None:
 @pytest.mark.parametrize("world_size", [2, 4, pytest.param(6, marks=pytest.mark.slow),
                                         pytest.param(8, marks=pytest.mark.slow)])
 def test_gloo(world_size: int) -> None:
-    """6 and 8 processes: beyond small worlds (header slots, Bruck's all-gather with a short last round
-    at 6, tree broadcast, scatter slots)."""
+    """6 and 8 processes: beyond small worlds (header slots gathered on rank 0, as on one machine,
+    tree broadcast, scatter slots)."""
     results = spawn(exercise, world_size, timeout=180)
     for r, result in enumerate(results):
         check(result, local=(r, world_size))
+
+
+@pytest.mark.slow
+def test_gloo_header_exchange_in_two_levels() -> None:
+    """8 processes laid out as hosts of one rank each: header slots gathered in blocks of 3, 3 and 2."""
+    for r, result in enumerate(spawn(exercise_in_blocks, 8, timeout=180)):
+        check(result, local=(r, 8))
 
 
 _STEP2 = {"point_to_point": exercise_point_to_point, "alltoall": exercise_alltoall}

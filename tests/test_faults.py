@@ -283,8 +283,8 @@ def test_a_peer_that_did_its_part_and_exited_is_no_failure() -> None:
 
 def interrupted(path: str, how: str) -> Any:
     def fn(comm: distcomm.Communicator) -> Any:
-        if how == "bruck":  # the header exchange in point-to-point rounds, as beyond 16 ranks
-            type(comm)._GATHERED_HEADERS_WORLD = 4  # type: ignore[attr-defined]
+        if how == "two levels":  # the header exchange over blocks, as on hosts of one rank each
+            comm._set_header_blocks([[0, 1, 2], [3, 4, 5]], None)  # type: ignore[attr-defined]
         if comm.rank == comm.world_size - 1:
             time.sleep(8)  # never takes part in the call below
             return None
@@ -293,7 +293,7 @@ def interrupted(path: str, how: str) -> Any:
         with open(path, "w") as f:
             f.write(str(os.getpid()))
         try:
-            if how in ("collective", "bruck"):
+            if how in ("collective", "two levels"):
                 comm.all_gather(0, timeout=60)
             else:  # a large point-to-point receive that its sender never starts
                 buf = torch.empty(4 << 20, dtype=torch.uint8)
@@ -306,11 +306,11 @@ def interrupted(path: str, how: str) -> Any:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how,world", [("collective", 2), ("point-to-point", 2), ("collective", 6), ("bruck", 6)])
+@pytest.mark.parametrize("how,world", [("collective", 2), ("point-to-point", 2), ("collective", 6), ("two levels", 6)])
 def test_ctrl_c_while_waiting_for_a_peer_raises_within_about_a_second(how: str, world: int, tmp_path: Path) -> None:
-    """Waits in gloo collectives are sliced (the header exchange up to 16 ranks: 6 here); point-to-point
-    steps (Bruck's header rounds beyond 16 ranks, large transfers) are run by a helper thread while
-    the caller watches."""
+    """Waits in gloo collectives are sliced (the header exchange in one block or in two levels: 6
+    ranks here); point-to-point steps (large transfers) are run by a helper thread while the
+    caller watches."""
     import signal
     import threading
 

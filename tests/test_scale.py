@@ -7,7 +7,9 @@ TCP/IP framing: see ``benchmarks/wire.py`` and the README.
 
 from __future__ import annotations
 
+import contextlib
 import pickle
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -18,6 +20,7 @@ import distcomm
 from distcomm import _frame
 from distcomm._communicator import _broadcast_tree
 from distcomm.testing import FakeCommunicator, run_threaded, spawn
+from tests.contract import header_blocks
 
 MiB = 1 << 20
 
@@ -73,25 +76,54 @@ def _bytes_per_call(comm: distcomm.Communicator) -> dict[str, tuple[int, int]]:
     return {op: (s.bytes_sent, s.bytes_received) for op, s in comm.stats.items()}
 
 
-def _header_bytes(r: int, n: int, gathered: bool, table: bool = False) -> tuple[int, int]:
+def _children(m: int, v: int) -> int:
+    """gloo's binomial broadcast in a group of m: how many ranks rank v (from the root) sends to."""
+    return sum(1 for k in range(m.bit_length()) if 2**k > v and v + 2**k < m)
+
+
+def _one(n: int) -> list[list[int]]:
+    """The header exchange's blocks in a gloo world on one machine: one block, a gather on rank 0."""
+    return [list(range(n))]
+
+
+def _header_bytes(r: int, n: int, blocks: list[list[int]] | None, table: bool = False) -> tuple[int, int]:
     """What the header exchange costs rank r of n, sent and received: Bruck's all-gather (the
-    doubles), or (gloo up to 16 ranks) a gather on rank 0, then gloo's binomial broadcast from it
-    of a summary (the common slot and the odd one) and, when the slots differ more (``table``),
-    of the whole table."""
+    doubles: ``blocks`` None), or gloo's exchange over ``blocks``. Up: a gather in each block to its
+    first rank, and one of the blocks' tables (padded to the widest block) from those ranks to rank
+    0. Down: gloo's binomial broadcasts of a summary (the common slot and the odd one) to the
+    blocks' first ranks, then within each block, and when the slots differ more (``table``) of the
+    whole table after it."""
     slot = _frame.HEADER_SLOT
-    if not gathered:
+    if blocks is None:
         return (n - 1) * slot, (n - 1) * slot
-    children = sum(1 for k in range(n.bit_length()) if 2**k > r and r + 2**k < n)
-    down = 8 + 2 * slot + (n * slot if table else 0)
-    if r == 0:
-        return children * down, (n - 1) * slot
-    return slot + children * down, down
+    i, block = next((i, b) for i, b in enumerate(blocks) if r in b)
+    pos, leaders, wide = block.index(r), len(blocks), max(len(b) for b in blocks) * slot
+    sent = received = 0
+    if len(block) > 1:
+        if pos == 0:
+            received += (len(block) - 1) * slot
+        else:
+            sent += slot
+    lead = pos == 0 and leaders > 1
+    if lead:
+        if i == 0:
+            received += (leaders - 1) * wide
+        else:
+            sent += wide
+    for down in [8 + 2 * slot] + ([n * slot] if table else []):
+        if lead:
+            sent += _children(leaders, i) * down
+            received += down if i else 0
+        if len(block) > 1:
+            sent += _children(len(block), pos) * down
+            received += down if pos else 0
+    return sent, received
 
 
-def _check_bytes(r: int, n: int, got: dict[str, tuple[int, int]], gathered: bool = False) -> None:
+def _check_bytes(r: int, n: int, got: dict[str, tuple[int, int]], blocks: list[list[int]] | None = None) -> None:
     # what the header exchange costs this rank: when the slots are alike but for one, and otherwise
-    hs, hr = _header_bytes(r, n, gathered)
-    ts, tr = _header_bytes(r, n, gathered, table=True)
+    hs, hr = _header_bytes(r, n, blocks)
+    ts, tr = _header_bytes(r, n, blocks, table=True)
     overhead = 8 * 1024  # the pickle streams of the arrays, small tables
     assert got["barrier"] == (hs, hr)
     sent, received = got["reduce_dict"]
@@ -125,7 +157,7 @@ def test_bytes_per_rank_threaded_world_of_8() -> None:
 @pytest.mark.slow
 def test_bytes_per_rank_gloo_world_of_8() -> None:
     for r, got in enumerate(spawn(_bytes_per_call, 8, timeout=180)):
-        _check_bytes(r, 8, got, gathered=True)
+        _check_bytes(r, 8, got, _one(8))
 
 
 def _tree_contents(comm: distcomm.Communicator) -> list[float]:
@@ -203,7 +235,7 @@ def _check_small_broadcast(results: list[dict[str, Any]], binomial: bool) -> Non
 
     def header(r: int) -> tuple[int, int]:
         small = (n - 1) * 4096
-        return (small, small) if n <= _frame.SMALL_WORLD else _header_bytes(r, n, gathered=binomial)
+        return (small, small) if n <= _frame.SMALL_WORLD else _header_bytes(r, n, _one(n) if binomial else None)
 
     receiver = (root + 1) % n
     later = results[receiver]["moved"][1] - header(receiver)[1]  # what a receiver got after the slots
@@ -220,44 +252,97 @@ def _check_small_broadcast(results: list[dict[str, Any]], binomial: bool) -> Non
 _ONE_KIB_OOB = distcomm.PickleSerializer(oob_threshold=1024)
 
 
-def _headers_both_ways(comm: distcomm.Communicator, bruck: bool) -> dict[str, Any]:
-    """Beyond 4 ranks the gloo communicator exchanges header slots by a native gather and broadcast
-    (up to 64 ranks) or by Bruck's all-gather (beyond): the same results and errors either way."""
-    cls = type(comm)
-    if bruck:
-        cls._GATHERED_HEADERS_WORLD = 4  # type: ignore[attr-defined]
-    try:
+LAYOUTS = {  # the header exchange's blocks in a gloo world of 6 (see _header_blocks)
+    "one machine": [[0, 1, 2, 3, 4, 5]],
+    "hosts of one rank": [[0, 1, 2], [3, 4, 5]],
+    "machines of 2": [[0, 1], [2, 3], [4, 5]],
+    "uneven": [[0], [1, 2, 3], [4, 5]],
+}
+
+
+@contextlib.contextmanager
+def _header_layout(comm: distcomm.Communicator, layout: str) -> Iterator[None]:
+    """Lay the header exchange out as ``layout`` for the block's duration; then back as it was."""
+    c: Any = comm
+    if layout == "machines of 2":  # as set-up lays out machines of two ranks each, their groups reused
+        c._set_machines([[0, 1], [2, 3], [4, 5]])
+        try:
+            assert c._blocks == LAYOUTS[layout] and c._block_group is c._local_group
+            yield
+        finally:
+            c._set_machines([list(range(6))])
+        return
+    with header_blocks(comm, LAYOUTS[layout]):
+        yield
+
+
+def _headers_in(comm: distcomm.Communicator, layout: str) -> dict[str, Any]:
+    """Beyond 4 ranks the gloo communicator exchanges header slots in native gathers and broadcasts
+    over blocks of ranks: the same results and errors whatever the blocks, and the bytes they cost."""
+    with _header_layout(comm, layout):
         r = comm.rank
         comm.reset_stats()
         comm.synchronize()
         out: dict[str, Any] = {"barrier": (comm.stats["barrier"].bytes_sent, comm.stats["barrier"].bytes_received)}
-        out["all_gather"] = comm.all_gather({"r": r, "s": "x" * r})
+        got = comm.all_gather({"r": r, "s": "x" * r})
+        out["all_gather"] = (got, comm.stats["all_gather"].bytes_received)
         out["broadcast"] = comm.broadcast({"from": r} if r == 3 else None, src=3)
         out["gather"] = comm.gather(r * 10, dst=2)
+        out["scatter"] = comm.scatter([f"part {i}" for i in range(6)] if r == 4 else None, src=4)
         out["reduce_dict"] = {k: float(v) for k, v in comm.reduce_dict({"a": torch.tensor(float(r))}).items()}
         try:  # rank 0 calls another collective than its peers: every rank raises the same error
             comm.gather(r) if r == 0 else comm.all_gather(r)
         except distcomm.CollectiveMismatchError as e:
             out["mismatch"] = str(e)
+        try:  # rank 5 alone calls another collective: the one odd slot, in the summary
+            comm.gather(r) if r == 5 else comm.all_gather(r)
+        except distcomm.CollectiveMismatchError as e:
+            out["odd mismatch"] = str(e)
         out["after"] = comm.all_gather(r)
         return out
-    finally:
-        if bruck:
-            del cls._GATHERED_HEADERS_WORLD  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("bruck", [False, True])
-def test_header_exchange_beyond_small_worlds_gloo(bruck: bool) -> None:
-    n = 6
-    results = spawn(lambda comm: _headers_both_ways(comm, bruck), n, timeout=120)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_header_exchange_over_blocks_gloo(layout: str) -> None:
+    n, blocks = 6, LAYOUTS[layout]
+    results = spawn(lambda comm: _headers_in(comm, layout), n, timeout=120)
     for r, got in enumerate(results):
-        assert got["barrier"] == _header_bytes(r, n, gathered=not bruck)
-        assert got["all_gather"] == [{"r": i, "s": "x" * i} for i in range(n)]
+        assert got["barrier"] == _header_bytes(r, n, blocks)
+        assert got["all_gather"][0] == [{"r": i, "s": "x" * i} for i in range(n)]
+        assert got["all_gather"][1] >= _header_bytes(r, n, blocks, table=True)[1]  # (the sizes differ)
         assert got["broadcast"] == {"from": 3}
         assert got["gather"] == ([i * 10 for i in range(n)] if r == 2 else [])
+        assert got["scatter"] == f"part {r}"
         assert got["reduce_dict"] == ({"a": 15 / n} if r == 0 else {"a": float(r)})
         assert got["mismatch"] == results[0]["mismatch"] and "rank 0" in got["mismatch"]
+        assert got["odd mismatch"] == results[0]["odd mismatch"] and "rank 5" in got["odd mismatch"]
         assert got["after"] == list(range(n))
+
+
+@pytest.mark.parametrize(("world", "machines", "blocks"), [
+    (4, [[0, 1, 2, 3]], [[0, 1, 2, 3]]),  # small worlds: one block (set-up; the slots go all to all)
+    (16, [list(range(16))], [list(range(16))]),  # one machine: one block
+    (16, [[r] for r in range(16)], [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]),
+    (10, [[r] for r in range(10)], [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]),
+    (24, [list(range(0, 24, 2)), list(range(1, 24, 2))], [list(range(0, 24, 2)), list(range(1, 24, 2))]),
+    (12, [[0, 1, 2, 3, 4], [5], [6, 7, 8, 9, 10, 11]], [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]),
+    (130, [list(range(65)), list(range(65, 130))], [list(range(i, min(i + 12, 130))) for i in range(0, 130, 12)]),
+])
+def test_header_blocks_follow_the_machines_else_sqrt_runs(world: int, machines: list[list[int]],
+                                                          blocks: list[list[int]]) -> None:
+    from distcomm._torch import _header_blocks
+
+    assert _header_blocks(world, machines) == blocks
+
+
+def test_header_blocks_at_1024_ranks() -> None:
+    """Machines of 8 GPUs: 128 blocks of 8 (rank 0 gathers 7 slots, then 127 tables); hosts of one
+    rank: 32 blocks of 32 (31 slots, then 31 tables)."""
+    from distcomm._torch import _header_blocks
+
+    machines = [list(range(m, m + 8)) for m in range(0, 1024, 8)]
+    assert _header_blocks(1024, machines) == machines
+    assert _header_blocks(1024, [[r] for r in range(1024)]) == [list(range(m, m + 32)) for m in range(0, 1024, 32)]
 
 
 @pytest.mark.parametrize("world_size", [3, 6])
@@ -289,18 +374,18 @@ def _tree_gather(comm: distcomm.Communicator) -> dict[str, Any]:
     return out
 
 
-def _check_tree_gather(results: list[dict[str, Any]], gathered: bool = False) -> None:
+def _check_tree_gather(results: list[dict[str, Any]], blocks: list[list[int]] | None = None) -> None:
     n = len(results)
     root = n - 3
     want = [(i, float(np.arange(900 + 37 * i, dtype=np.float64)[1:].sum()), 900 + 37 * i, "y" * (5 * i))
             for i in range(n)]
     assert results[root]["got"] == want and results[root]["aligned"]
-    hs, hr = _header_bytes(root, n, gathered, table=True)  # (the slots differ: every rank's sizes differ)
+    hs, hr = _header_bytes(root, n, blocks, table=True)  # (the slots differ: every rank's sizes differ)
     # the root receives every other rank's bytes once, and sends nothing after the slots
     assert results[root]["moved"] == (hs, hr + sum(res["own"] for i, res in enumerate(results) if i != root))
     for i, res in enumerate(results):
         v = (i - root) % n
-        hs, hr = _header_bytes(i, n, gathered, table=True)
+        hs, hr = _header_bytes(i, n, blocks, table=True)
         if v % 2:  # a leaf of the binomial tree sends its own bytes, once, and receives nothing more
             assert res["moved"] == (hs + res["own"], hr)
         if i != root:  # an inner rank forwards its subtree's bytes: never more than the tree's limit
@@ -327,7 +412,7 @@ def test_small_gather_goes_up_a_binomial_tree_threaded(world_size: int, tree: bo
 
 @pytest.mark.slow
 def test_small_gather_goes_up_a_binomial_tree_gloo() -> None:
-    _check_tree_gather(spawn(_tree_gather, 6, timeout=120, serializer=_ONE_KIB_OOB), gathered=True)
+    _check_tree_gather(spawn(_tree_gather, 6, timeout=120, serializer=_ONE_KIB_OOB), _one(6))
 
 
 @pytest.mark.parametrize("rank", [0, 3, 6, 7, 10, 12])  # 10: the root, fed by its children's subtrees
