@@ -18,12 +18,16 @@ point-to-point message a rank posts and waits for costs it tens of microseconds 
 as does each native collective call. So the table also counts distcomm's posts (point to point,
 and native calls such as gloo's all-to-all and broadcast), measures both costs on a 2-rank gloo
 group before the run, and adds them: distcomm's posts at those costs, and torch's native calls
-(two per object collective, three for scatter_object_list) at the native cost.
+(two per object collective, three for scatter_object_list) at the native cost. The header
+exchange counts as gloo runs it with the ranks on machines of 8 (one machine up to 8 ranks):
+its native gathers and broadcasts in each rank's block and, for a block's first rank, among those
+(``header_calls``); rank 0's summary of the slots counts as its own Python.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections import deque
@@ -49,6 +53,7 @@ def payload(name: str, rank: int) -> Any:
     return np.full(MiB // 8, float(rank))
 
 
+@functools.lru_cache(maxsize=64)
 def header_calls(world: int, rank: int, table: bool) -> int:
     """The native calls of gloo's header exchange on ``rank`` (see ``_gather_headers``), with the
     ranks on machines of 8: a gather and a broadcast (two with the table) in its block, and as many

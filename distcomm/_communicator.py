@@ -1576,6 +1576,7 @@ class Communicator(abc.ABC):
         Bruck's all-gather over point to point: ceil(log2(world)) rounds, in round k each rank sends
         the slots it holds to rank - k and receives as many from rank + k. Every rank sends and
         receives (world - 1) slots in log2(world) messages, where an all-to-all takes world - 1.
+        (The test doubles run this; the torch transports gather the slots in native collectives.)
         """
         world, me = self.world_size, self.rank
         if world <= _frame.SMALL_WORLD:
@@ -1585,22 +1586,14 @@ class Communicator(abc.ABC):
         view = memoryview(buf.numpy())  # type: ignore[arg-type]
         view[:size] = slot
 
-        def rounds() -> None:
-            have = 1
-            while have < world:
-                n = min(have, world - have)
-                self._xchg([((me - have) % world, buf[: n * size])],
-                           [((me + have) % world, buf[have * size : (have + n) * size])], timeout)
-                have += n
-
-        self._watched(rounds, timeout)
+        have = 1
+        while have < world:
+            n = min(have, world - have)
+            self._xchg([((me - have) % world, buf[: n * size])],
+                       [((me + have) % world, buf[have * size : (have + n) * size])], timeout)
+            have += n
         first = (world - me) % world * size  # where rank 0's slot is
         return memoryview(bytes(view[first:]) + bytes(view[:first]))
-
-    def _watched(self, fn: Callable[[], None], timeout: float | None) -> None:
-        """Run a sequence of transport steps; a transport whose waits can't be interrupted runs it
-        where the caller can watch (see GlooCommunicator). This default just runs it."""
-        fn()
 
     def _allgather_small(self, slot: bytearray, size: int, timeout: float | None) -> memoryview:
         """The small-world slot exchange; this default sends the slot to every peer point to point."""

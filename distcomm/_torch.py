@@ -356,8 +356,6 @@ class _TorchCommunicator(Communicator):
     _WATCHED_P2P_BYTES = 1 << 20
     _sliced_waits = True  # NCCL: no (a timed-out wait may abort its communicator)
 
-    _watching = False  # set while a helper thread runs transport steps that this rank's caller watches
-
     def _wait(self, works: list[Any], timeout: float | None, p2p_peers: list[int] | None = None,
               p2p_bytes: int = 0, start: float | None = None) -> None:
         """Wait for ``works``; ``p2p_peers``: point-to-point works, and the peer of each.
@@ -367,7 +365,7 @@ class _TorchCommunicator(Communicator):
         them); small ones in small worlds finish at once, and the hand-off would cost more.
         ``start``: when the caller began waiting (its first slice ran out), for sliced waits."""
         try:
-            if not self._sliced_waits or self._watching or (
+            if not self._sliced_waits or (
                     p2p_peers is not None and p2p_bytes < self._WATCHED_P2P_BYTES
                     and self._world <= _frame.SMALL_WORLD):
                 self._wait_whole(works, timeout)
@@ -417,26 +415,6 @@ class _TorchCommunicator(Communicator):
         progress = [0]  # the work the helper waits on now: the ones before it are done
         self._watch(lambda: self._wait_whole(works, timeout, progress), timeout,
                     lambda: dict.fromkeys(peers[progress[0]:]))
-
-    def _watched(self, fn: Callable[[], None], timeout: float | None) -> None:
-        if not self._sliced_waits or self._watching:
-            fn()
-            return
-
-        def run() -> None:
-            self._watching = True
-            try:
-                fn()
-            finally:
-                self._watching = False
-
-        try:
-            self._watch(run, timeout, lambda: self._peer_pids)
-        except DistCommError:
-            raise
-        except BaseException as e:
-            self._interrupted(e)
-            raise
 
     def _watch(self, fn: Callable[[], None], timeout: float | None, needed: Callable[[], Iterable[int]]) -> None:
         """Run ``fn`` in a waiter thread while this one watches: Ctrl-C, the processes of the peers
@@ -647,7 +625,7 @@ class _TorchCommunicator(Communicator):
     def _wait_one(self, work: Any, timeout: float | None) -> None:
         """``_wait([work], timeout)`` for one native collective, with its common case (done within
         the first slice) in one timed wait: the tensor collectives' hot path runs few lines."""
-        if not self._sliced_waits or self._watching or (timeout is not None and timeout <= self._SLICE):
+        if not self._sliced_waits or (timeout is not None and timeout <= self._SLICE):
             self._wait([work], timeout)
             return
         start = time.monotonic()
