@@ -140,6 +140,13 @@ class SimCommunicator(FakeCommunicator):
     def _broadcast_buffer(self, buf: torch.Tensor, root: int, timeout: float | None) -> None:
         self._one_post(lambda: FakeCommunicator._broadcast_buffer(self, buf, root, timeout))
 
+    def _scatter_slots(self, root: int, subs: list[bytearray], size: int, timeout: float | None) -> torch.Tensor | None:
+        if self.world_size <= 4:  # as gloo: a message per rank in small worlds, else a native scatter
+            return super()._scatter_slots(root, subs, size, timeout)
+        got: list[torch.Tensor | None] = []
+        self._one_post(lambda: got.append(FakeCommunicator._scatter_slots(self, root, subs, size, timeout)))
+        return got[0]
+
 
 def call(comm: Any, op: str, obj: Any, objs: list[Any]) -> Callable[[], Any]:
     """One collective through the base class's method: the pipeline a gloo rank runs, without the

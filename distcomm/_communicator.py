@@ -1610,13 +1610,9 @@ class Communicator(abc.ABC):
         self, op: Op, seq: int, root: int, subs: list[bytearray], size: int, timeout: float | None
     ) -> _Slots:
         """Scatter's second exchange: the root sends each rank the slot of its own part only."""
-        me = self.rank
-        if me == root:
-            self._xchg([(r, torch.frombuffer(s, dtype=torch.uint8)) for r, s in enumerate(subs) if r != root],
-                       [], timeout)
+        buf = self._scatter_slots(root, subs, size, timeout)
+        if buf is None:
             return _Slots(b"", size, 0, None)
-        buf = torch.empty(size, dtype=torch.uint8)
-        self._xchg([], [(root, buf)], timeout)
         try:
             sub = _frame.decode(memoryview(buf.numpy()))  # type: ignore[arg-type]
         except FrameError as e:
@@ -1626,6 +1622,17 @@ class Communicator(abc.ABC):
             raise FrameError(f"{op.label} #{seq}: rank {root} sent a slot for another call", op=op.label,
                              ranks=[root])
         return _Slots(b"", size, 0, sub)
+
+    def _scatter_slots(self, root: int, subs: list[bytearray], size: int, timeout: float | None) -> torch.Tensor | None:
+        """The root's ``subs[r]`` (``size`` bytes each) to each rank r: here a message per rank.
+        Returns what this rank received (None on the root)."""
+        if self.rank == root:
+            self._xchg([(r, torch.frombuffer(s, dtype=torch.uint8)) for r, s in enumerate(subs) if r != root],
+                       [], timeout)
+            return None
+        buf = torch.empty(size, dtype=torch.uint8)
+        self._xchg([], [(root, buf)], timeout)
+        return buf
 
     _TREE_CHUNK = 4 << 20
     _TREE_MAX_CHUNKS = 16

@@ -499,7 +499,10 @@ class _TorchCommunicator(Communicator):
         if leaders is not None:
             tables = torch.empty(len(blocks) * wide if me == 0 else 0, dtype=torch.uint8)
             outs = [[tables[i * wide : (i + 1) * wide] for i in range(len(blocks))]] if me == 0 else []
-            self._count(0, (len(blocks) - 1) * wide) if me == 0 else self._count(wide, 0)
+            if me == 0:
+                self._count(0, (len(blocks) - 1) * wide)
+            else:
+                self._count(wide, 0)
             self._native(leaders.gather, (outs, [held], self._opts("GatherOptions", timeout, root=0)), timeout)
             if me == 0:
                 rows, got = out.numpy().reshape(world, size), tables.numpy().reshape(len(blocks), -1, size)
@@ -527,6 +530,21 @@ class _TorchCommunicator(Communicator):
             self._broadcast_in(leaders, len(self._blocks), i, buf, timeout)
         if len(self._block) > 1:
             self._broadcast_in(self._block_group, len(self._block), pos, buf, timeout)
+
+    def _scatter_slots(self, root: int, subs: list[bytearray], size: int, timeout: float | None) -> torch.Tensor | None:
+        # beyond small worlds in one native scatter: the root's sends are posted in C++, not a
+        # Python post and wait per rank
+        if self._world <= _frame.SMALL_WORLD:
+            return super()._scatter_slots(root, subs, size, timeout)
+        me = self._rank
+        buf = torch.empty(size, dtype=torch.uint8)
+        ins = [[torch.frombuffer(s, dtype=torch.uint8) for s in subs]] if me == root else []
+        if me == root:
+            self._count((self._world - 1) * size, 0)
+        else:
+            self._count(0, size)
+        self._native(self._obj_group.scatter, ([buf], ins, self._opts("ScatterOptions", timeout, root=root)), timeout)
+        return None if me == root else buf
 
     def _allgather_small(self, slot: bytearray, size: int, timeout: float | None) -> memoryview:
         # An all-to-all of the slot repeated once per rank (small worlds only): gloo runs it as
