@@ -94,9 +94,9 @@ class SimCommunicator(FakeCommunicator):
         self._pending = {s: deque(q) for s, q in streams.items()}
         for _s, q in self._pending.items():  # the sub-slots and slots in the streams carry the call number too
             for i, v in enumerate(q):
-                if v.nbytes == size and bytes(v[:4]) == _frame.MAGIC:
+                if v.nbytes >= _frame.HEADER_SIZE and bytes(v[:4]) == _frame.MAGIC:
                     patched = bytearray(v)
-                    np.frombuffer(patched, dtype=_frame._header_dtype(size), count=1)["seq"] = self._seq
+                    np.frombuffer(patched, dtype=_frame._header_dtype(v.nbytes), count=1)["seq"] = self._seq
                     q[i] = memoryview(patched)
         world = self.world_size
         if world > 4:  # gloo's header exchange over machines of 8 (one machine up to 8 ranks)

@@ -1453,10 +1453,12 @@ class Communicator(abc.ABC):
             st.calls += 1
         self._cur = st
         subs: list[bytearray] = []
+        part_slot = size  # scatter: the size of the slot of each rank's part (the root's to choose)
         tables: list[list[tuple[int, memoryview | None]]] = []  # how each of my parts travels
         if status == _frame.OK and kind is _SCATTER and self.rank == root:
             # each receiver gets a slot of its own part: nobody receives a table of every part
-            built = [self._build_slot(op, seq, root, digest, [p], size) for p in parts]
+            part_slot = self._scatter_slot_size(parts, root, size)
+            built = [self._build_slot(op, seq, root, digest, [p], part_slot) for p in parts]
             subs, parts = [s for s, _ in built], [p[0] for _, p in built]
             decoded = [_frame.decode(s) for s in subs]
             bad = next((d.message for d in decoded if d.header.status), None)
@@ -1466,7 +1468,7 @@ class Communicator(abc.ABC):
         if status != _frame.OK:
             slot = _frame.encode_status(status, op, seq, root, message, size)
         elif kind is _SCATTER:
-            slot = _frame.encode(op, seq, root, digest, [], size)
+            slot = self._scatter_head(op, seq, root, digest, part_slot, size)
         else:
             slot, parts = self._build_slot(op, seq, root, digest, parts, size)
         mine = _frame.decode(slot)  # before the exchange: the code after it runs on a cold cache
@@ -1483,10 +1485,10 @@ class Communicator(abc.ABC):
         # the slot every rank but ``odd`` sends when all is well, where it is known: compared as bytes
         common: bytes | bytearray | None = None
         odd = -1
-        if kind is _BROADCAST and status == _frame.OK:
+        if (kind is _BROADCAST or kind is _SCATTER) and status == _frame.OK:
             common = slot if self.rank != root else _frame.encode(op, seq, root, digest, [], size)
             odd = root
-        elif kind is _SCATTER or (not serialize and inline is None):
+        elif not serialize and inline is None:
             common = slot
         if not _frame.agreed(raw, self.world_size, size, slot, digests=on_digest_mismatch is not None, cap=cap,
                              common=common, odd=odd):
@@ -1545,7 +1547,7 @@ class Communicator(abc.ABC):
             if totals is not None:
                 return self._tree_gather(op, root, parts, slots, totals, timeout)
         if kind is _SCATTER:
-            slots = self._deliver_scatter_slots(op, seq, root, subs, size, timeout)
+            slots = self._deliver_scatter_slots(op, seq, root, subs, size, timeout, slots)
         plan = self._plan(kind, root, parts, tables, slots)
         if plan.recv_buf is not None:
             sends = [t for _, t in plan.sends]
@@ -1606,10 +1608,50 @@ class Communicator(abc.ABC):
         self._exchange([(r, mine) for r in peers], [(r, out[r * size : (r + 1) * size]) for r in peers], timeout)
         return view
 
+    def _scatter_slot_size(self, parts: list[list[memoryview]], root: int, size: int) -> int:
+        """The size of the slot a scatter's root sends each rank. Beyond small worlds: the smallest
+        multiple of 8 that holds whole (table and bytes) the largest part that fits in ``slot_bytes``
+        (and ``max_bytes``), so that small parts reach their ranks in that one message, one native
+        scatter on gloo; ``size`` (the header slot's, announced by nothing) when that is no larger.
+        A part that doesn't fit travels after it, as its own messages. Every rank receives at most
+        ``slot_bytes`` more than its part: the price of one scatter in place of a message per rank."""
+        if self.world_size <= _frame.SMALL_WORLD:
+            return size
+        cap = self.slot_bytes if self.max_bytes is None else min(self.slot_bytes, self.max_bytes)
+        need = size
+        for r, p in enumerate(parts):
+            if r != root:
+                n = -(-(_frame.table_size([len(p)]) + sum(seg.nbytes for seg in p)) // 8) * 8
+                if need < n <= cap:
+                    need = n
+        return need
+
+    @staticmethod
+    def _scatter_head(op: Op, seq: int, root: int, digest: int, sub: int, size: int) -> bytearray:
+        """A scatter's header slot: the root's announces the size ``sub`` of the slot each rank then
+        receives from it, as one segment that travels later, where it is over ``size``."""
+        if sub > size:
+            return _frame.encode_later(op, seq, root, digest, sub, size)
+        return _frame.encode(op, seq, root, digest, [], size)
+
+    def _announced_slot_size(self, op: Op, seq: int, root: int, head: _frame.Slot, size: int) -> int:
+        """The size of the slot this rank receives from scatter's root, as the root's header slot
+        ``head`` announced it: ``size``, or up to ``slot_bytes`` (the same check on every rank)."""
+        if not head.parts:
+            return size
+        entries = head.parts[0] if len(head.parts) == 1 else []
+        n = entries[0][0] if len(entries) == 1 and entries[0][1] is None else -1
+        if not size < n <= max(size, self.slot_bytes):
+            raise FrameError(f"{op.label} #{seq}: rank {root} announced a slot of {n} bytes for each rank's part "
+                             f"(this communicator's are {size} to {self.slot_bytes} bytes)", op=op.label, ranks=[root])
+        return n
+
     def _deliver_scatter_slots(
-        self, op: Op, seq: int, root: int, subs: list[bytearray], size: int, timeout: float | None
+        self, op: Op, seq: int, root: int, subs: list[bytearray], size: int, timeout: float | None, slots: _Slots
     ) -> _Slots:
-        """Scatter's second exchange: the root sends each rank the slot of its own part only."""
+        """Scatter's second exchange: the root sends each rank the slot of its own part only, of the
+        size its header slot announced (``_scatter_slot_size``)."""
+        size = len(subs[root]) if self.rank == root else self._announced_slot_size(op, seq, root, slots[root], size)
         buf = self._scatter_slots(root, subs, size, timeout)
         if buf is None:
             return _Slots(b"", size, 0, None)

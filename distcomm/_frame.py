@@ -137,6 +137,15 @@ def encode(
     return out
 
 
+def encode_later(op: int, seq: int, root: int, digest: int, nbytes: int, slot_size: int) -> bytearray:
+    """Encode an OK slot of one part of one segment of ``nbytes`` that travels after the slots: how a
+    scatter's root announces the size of the slot it then sends each rank."""
+    out = bytearray(slot_size)
+    HEADER.pack_into(out, 0, MAGIC, VERSION, OK, op, 0, seq, root, 1, 1, digest, nbytes)
+    struct.pack_into("<Iq", out, HEADER_SIZE, 1, nbytes)
+    return out
+
+
 def message_bytes(message: str) -> bytes:
     """A status message as it travels: UTF-8, at most MAX_MESSAGE bytes."""
     return message.encode("utf-8", "replace")[:MAX_MESSAGE]

@@ -167,6 +167,22 @@ def test_absurd_announced_size_is_refused_before_allocating() -> None:
     assert "open" in repr(capped)
 
 
+class _ScatterForger(FakeCommunicator):
+    """Scatter's root (rank 1 of 8) announces a slot of 2**40 bytes for each rank's part."""
+
+    def _peer_slot(self, r: int, size: int) -> bytearray:
+        op, root, _ = self._ctx
+        if r != root:
+            return super()._peer_slot(r, size)
+        return _frame.encode_later(op, self._seq, root, 0, 1 << 40, size)
+
+
+def test_a_scatter_roots_announced_slot_is_bounded_by_slot_bytes() -> None:
+    comm = _ScatterForger(0, 8, peers=lambda op, r, obj: list(range(8)))
+    with pytest.raises(distcomm.FrameError, match=r"rank 1 announced a slot of 1099511627776 bytes .* 64 to 4096"):
+        comm.scatter(None, src=1)
+
+
 class _Overrun(FakeCommunicator):
     """Peers announce an inline segment longer than their slot: a table only a receiver decodes."""
 

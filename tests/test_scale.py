@@ -56,12 +56,56 @@ def test_fake_scatter_at_1024(rank: int) -> None:
     comm = FakeCommunicator(rank, 1024, peers=lambda op, r, obj: parts if op == "scatter" else obj)
     got = comm.scatter(parts if rank == 0 else None, src=0)
     assert got["i"] == rank and got["a"].tolist() == [rank] * 3
-    # a receiver gets the header slots, then one small slot for its own part and the part's pickle
-    # stream (too big for a 64-byte slot): nothing of the others'
+    # a receiver gets the header slots, then one slot that holds its own part whole, sized by the
+    # largest part (a few bytes over its own here): nothing of the others'
     if rank:
         received = comm.stats["scatter"].bytes_received
-        own = len(pickle.dumps(parts[rank], protocol=5))
-        assert 1023 * _frame.HEADER_SLOT + _frame.HEADER_SLOT < received <= 1024 * _frame.HEADER_SLOT + own
+        own = _frame.table_size([1]) + len(pickle.dumps(parts[rank], protocol=5))
+        assert own <= received - 1023 * _frame.HEADER_SLOT <= own + 16
+
+
+def _scatters(comm: distcomm.Communicator) -> dict[str, Any]:
+    """Two scatters beyond 4 ranks: small parts, and small parts but one over ``slot_bytes``; what
+    each rank got, sent and received, and the bytes of each serialized part."""
+    r, n = comm.rank, comm.world_size
+    out: dict[str, Any] = {}
+    for name, src, parts in (("small", 2, [{"i": i, "v": [0.5] * 8} for i in range(n)]),
+                             ("mixed", 0, ["x" * (5000 if i == 3 else 10 + i) for i in range(n)])):
+        comm.reset_stats()
+        got = comm.scatter(parts if r == src else None, src=src)
+        s = comm.stats["scatter"]
+        sizes = [sum(seg.nbytes for seg in comm.serializer.dumps(p)) for p in parts]
+        out[name] = (src, got == parts[r], s.bytes_sent, s.bytes_received, sizes)
+    return out
+
+
+def _check_scatters(r: int, n: int, out: dict[str, Any], blocks: list[list[int]] | None) -> None:
+    """Each rank receives the headers and one slot of the size the root announced, large enough for
+    the largest part that fits ``slot_bytes`` whole; a part that doesn't fit follows its slot."""
+    hs, hr = _header_bytes(r, n, blocks)  # the root's slot is the odd one: the summary, no table
+    for name, (src, ok, sent, received, sizes) in out.items():
+        assert ok, name
+        fits = [m for i, m in enumerate(sizes) if i != src and _frame.table_size([1]) + m <= 4096]
+        slot = -(-(_frame.table_size([1]) + max(fits)) // 8) * 8
+        later = sum(m for i, m in enumerate(sizes) if i != src and _frame.table_size([1]) + m > 4096)
+        if r == src:
+            assert sent == hs + (n - 1) * slot + later, name
+        else:
+            own = sizes[r] if _frame.table_size([1]) + sizes[r] > 4096 else 0
+            assert received == hr + slot + own, name
+            assert sent == hs, name
+
+
+@pytest.mark.parametrize("n", [5, 8, 13])
+def test_small_scatter_parts_travel_in_their_slots_threaded(n: int) -> None:
+    for r, out in enumerate(run_threaded(_scatters, n, timeout=60)):
+        _check_scatters(r, n, out, None)
+
+
+@pytest.mark.slow
+def test_small_scatter_parts_travel_in_their_slots_gloo() -> None:
+    for r, out in enumerate(spawn(_scatters, 8, timeout=120)):
+        _check_scatters(r, 8, out, _one(8))
 
 
 def _bytes_per_call(comm: distcomm.Communicator) -> dict[str, tuple[int, int]]:
