@@ -473,6 +473,9 @@ class Communicator(abc.ABC):
     # In a world of one, collectives return at once without serializing (LocalCommunicator); the
     # fake sets this False to run the whole pipeline at every world size.
     _alone = True
+    _alike: tuple[int, bytes] | None = None
+    """Set by a transport whose slot exchange learns how alike the slots are (the gloo header
+    exchange's summary), for the one ``_run`` that called it: see ``_frame.agreed``."""
 
     # Step 2 runs as one all-to-all unless a rank would have to copy more than this many bytes to
     # line up its sends, or any rank sends or receives more than the max: then point to point.
@@ -1478,6 +1481,7 @@ class Communicator(abc.ABC):
         st.serialize_s += t1 - t0
 
         raw = self._allgather_slots(slot, size, timeout)
+        alike, self._alike = self._alike, None
         slots = _Slots(raw, size, self.rank, mine)
         # max_bytes caps serialized payloads (set-up precedes agreement on it; inline words aren't payloads)
         cap = self.max_bytes if serialize and op is not _SETUP else None
@@ -1491,7 +1495,7 @@ class Communicator(abc.ABC):
         elif not serialize and inline is None:
             common = slot
         if not _frame.agreed(raw, self.world_size, size, slot, digests=on_digest_mismatch is not None, cap=cap,
-                             common=common, odd=odd):
+                             common=common, odd=odd, alike=alike):
             try:
                 heads = _frame.headers(raw, self.world_size, size)
             except FrameError as e:

@@ -254,7 +254,7 @@ _UNIFORM_MIN = 16
 
 def agreed(raw: memoryview | bytes | bytearray, count: int, slot_size: int, mine: bytes | bytearray, *,
            digests: bool = False, cap: int | None = None, common: bytes | bytearray | None = None,
-           odd: int = -1) -> bool:
+           odd: int = -1, alike: tuple[int, bytes] | None = None) -> bool:
     """Whether the common case holds: every slot is a well-formed OK header of the same op, call
     number and root as ``mine`` (this rank's own slot; with ``digests``, the same digest too), with
     a table that fits and a total of at most ``cap`` bytes.
@@ -265,6 +265,10 @@ def agreed(raw: memoryview | bytes | bytearray, count: int, slot_size: int, mine
     field by field: a 1,024-rank broadcast checks its 64 KiB of slots in about 10 microseconds.
     Slots that differ from ``common`` fall back to the field-by-field check.
 
+    ``alike``: what the exchange that brought the slots already knows of them, (k, c): every slot
+    but slot k (-1: none) is c, byte for byte (the gloo header exchange's summary). The byte
+    comparison is then two small ones, at any count.
+
     The answer is the same on every rank (they all hold the same slots, and when every slot
     matches this rank's, every rank's matches its own). False sends the caller to the full check
     (``headers``), which names what is wrong; True means ``headers`` would refuse nothing.
@@ -274,8 +278,9 @@ def agreed(raw: memoryview | bytes | bytearray, count: int, slot_size: int, mine
         return False
     if cap is not None and cap >= 2**63 - 1:  # no total is over it (and numpy's uint64 can't hold every int)
         cap = None
-    if common is not None and count > _UNIFORM_MIN and len(common) == slot_size \
-            and _uniform(raw, count, slot_size, common, odd):
+    if common is not None and len(common) == slot_size and (
+            (alike[1] == common and alike[0] in (-1, odd)) if alike is not None
+            else count > _UNIFORM_MIN and _uniform(raw, count, slot_size, common, odd)):
         return agreed(common, 1, slot_size, mine, digests=digests, cap=cap) and (
             odd < 0 or agreed(memoryview(raw)[odd * slot_size : (odd + 1) * slot_size], 1, slot_size, mine,
                               digests=digests, cap=cap))

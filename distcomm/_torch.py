@@ -98,20 +98,42 @@ if hasattr(os, "register_at_fork"):  # a forked child has none of the parent's t
 _I64 = struct.Struct("<q")
 
 
-def _summarize(table: memoryview, world: int, size: int, out: memoryview) -> None:
+def _summarize(table: memoryview, world: int, size: int, out: memoryview) -> int:
     """Write into ``out`` (8 + 2 * size bytes) the short form of a table of ``world`` slots when all
-    but at most one are alike: the odd rank + 1 (0: none), the common slot, the odd slot; else -1."""
-    word = np.uint64 if size % 8 == 0 else np.uint8  # (compared in words: 8 times fewer steps)
-    rows = np.frombuffer(table, dtype=word, count=world * size // np.dtype(word).itemsize).reshape(world, -1)
-    common = rows[0] if world < 3 or (rows[0] == rows[1]).all() or (rows[0] == rows[2]).all() else rows[1]
-    odd = np.flatnonzero(rows != common) // rows.shape[1]  # the rows that differ, once per word that does
-    if len(odd) and odd[0] != odd[-1]:
-        _I64.pack_into(out, 0, -1)
-        return
-    _I64.pack_into(out, 0, int(odd[0]) + 1 if len(odd) else 0)
-    out[8 : 8 + size] = common.tobytes()
-    if len(odd):
-        out[8 + size :] = rows[odd[0]].tobytes()
+    but at most one are alike: the odd rank + 1 (0: none), the common slot, the odd slot; else -1.
+    Returns the odd rank (-1: none; -2: the slots differ more).
+
+    In bytes comparisons (memcmp): one for a table with no odd slot, two with slot 0 odd (a
+    broadcast from rank 0), a binary search of log2(world) prefixes for another odd slot."""
+    data = bytes(table[: world * size])
+    common = data[:size]
+    zero_odd = world >= 3 and not (data.startswith(common, size) or data.startswith(common, 2 * size))
+    if zero_odd:
+        common = data[size : 2 * size]  # slot 0 is the odd one, if any is
+    whole = common * world
+    rep = memoryview(whole)
+    odd = -1
+    if data != whole:
+        if data.startswith(rep[size:], size):
+            odd = 0
+        elif zero_odd:
+            odd = -2
+        else:  # the first slot that differs, then whether every slot after it is alike
+            lo, hi = 1, world - 1
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if data.startswith(rep[: (mid + 1) * size]):
+                    lo = mid + 1
+                else:
+                    hi = mid
+            odd = lo if data.startswith(rep[(lo + 1) * size :], (lo + 1) * size) else -2
+    _I64.pack_into(out, 0, odd + 1 if odd >= -1 else -1)
+    if odd == -2:
+        return odd
+    out[8 : 8 + size] = common
+    if odd >= 0:
+        out[8 + size : 8 + 2 * size] = data[odd * size : (odd + 1) * size]
+    return odd
 
 
 _MACHINE_BLOCK_MAX = 64
@@ -464,6 +486,7 @@ class _TorchCommunicator(Communicator):
     def _allgather_slots(self, slot: bytearray, size: int, timeout: float | None) -> memoryview:
         if self._world > _frame.SMALL_WORLD:
             return self._gather_headers(slot, size, timeout)
+        self._alike = None
         return super()._allgather_slots(slot, size, timeout)
 
     def _gather_headers(self, slot: bytearray, size: int, timeout: float | None) -> memoryview:
@@ -514,6 +537,8 @@ class _TorchCommunicator(Communicator):
             _summarize(view, world, size, sview)
         self._headers_down(summary, leaders, timeout)
         odd = _I64.unpack_from(sview, 0)[0] - 1
+        # what the summary says of the table, for the pipeline's agreement (``_frame.agreed``)
+        self._alike = None if odd == -2 else (odd, bytes(sview[8 : 8 + size]))
         if odd == -2:
             self._headers_down(out, leaders, timeout)
         elif me != 0:

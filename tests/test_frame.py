@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from distcomm import FrameError, _frame
+from distcomm._torch import _summarize
 
 segments = st.lists(st.lists(st.binary(max_size=300), max_size=4), max_size=4)
 
@@ -238,6 +239,37 @@ def test_agreed_with_a_common_slot_is_the_same_check(count: int, odd: int, lengt
     assert got == _frame.agreed(raw, count, size, bytes(slots[me]), digests=digests, cap=cap)
     if got:
         assert _full_check_passes(raw, count, size, bytes(slots[me]), digests, cap)
+    # what the gloo header exchange's summary says of the same slots leads to the same answer
+    summary = memoryview(bytearray(8 + 2 * size))
+    k = _summarize(memoryview(raw), count, size, summary)
+    if k != -2:
+        assert _frame.agreed(raw, count, size, bytes(slots[me]), digests=digests, cap=cap, common=common, odd=odd,
+                             alike=(k, bytes(summary[8 : 8 + size]))) == got
+
+
+@given(count=st.integers(1, 40), odd=st.lists(st.integers(0, 39), max_size=3), word=st.booleans())
+@settings(max_examples=300, deadline=None)
+def test_summary_is_the_one_odd_slot_or_none(count: int, odd: list[int], word: bool) -> None:
+    """``_summarize`` against a plain count: the common slot and the one slot that differs from it,
+    or -1 (the table follows) when more than one does."""
+    size = 64 if word else 20
+    rows = [bytes([7]) * size for _ in range(count)]
+    for i, r in enumerate(odd):
+        if r < count:
+            rows[r] = bytes([i + 1]) * size
+    out = memoryview(bytearray(8 + 2 * size))
+    k = _summarize(memoryview(b"".join(rows)), count, size, out)
+    word0 = struct.unpack_from("<q", out)[0]
+    differ = sorted({r for r in odd if r < count}) if count >= 3 else []
+    if (count >= 3 and len(differ) <= 1) or (count <= 2 and len(set(rows)) <= 1):
+        assert k == (differ[0] if differ else -1) and word0 == k + 1
+        assert bytes(out[8 : 8 + size]) == (bytes([7]) * size if count >= 3 else rows[0])
+        if differ:
+            assert bytes(out[8 + size :]) == rows[differ[0]]
+    elif count == 2:  # two slots, unlike: slot 0 is taken as the common one
+        assert k == 1 and bytes(out[8 : 8 + size]) == rows[0] and bytes(out[8 + size :]) == rows[1]
+    else:
+        assert k == -2 and word0 == -1
 
 
 def test_agreed_with_a_common_slot_checks_the_odd_one_and_the_common_one() -> None:
