@@ -311,15 +311,23 @@ class _TorchCommunicator(Communicator):
         if len(blocks) == 1:
             self._block_group, self._leader_group = self._obj_group, None
             return
+        # Every rank joins the same number of new groups, one per level: torch names a group made
+        # with use_local_synchronization (a sub-communicator's, or the user's own) from the count of
+        # groups each member is in, so members whose counts differ would never meet. Hence a group
+        # for a block of one rank too, and at the second level one group for the blocks' j-th ranks
+        # for every j (the first ranks' is the one the exchange uses; on machines, the others are
+        # the "rails" of local rank j).
         self._block_group = None
         for block in blocks:
-            if len(block) == 1:
-                continue
             group = (self._local_group if machines is not None and blocks == machines
                      else self._new_group(block, "gloo"))
             if self._rank in block:
                 self._block_group = group
-        self._leader_group = self._new_group([b[0] for b in blocks], "gloo")
+        self._leader_group = None
+        for j in range(max(len(b) for b in blocks)):
+            group = self._new_group([b[j] for b in blocks if len(b) > j], "gloo")
+            if j == 0 and self._place[1] == 0:
+                self._leader_group = group
 
     # ------------------------------------------------------------------ identity
     @property
