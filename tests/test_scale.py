@@ -363,6 +363,31 @@ def test_header_exchange_over_blocks_gloo(layout: str) -> None:
         assert got["after"] == list(range(n))
 
 
+def _groups_in_two_levels(comm: distcomm.Communicator) -> list[Any]:
+    """Communicators whose header exchange runs in two levels (hosts of one rank each: runs of
+    sqrt(world) ranks, the last one alone; machines of 4 and 3 ranks), then a sub-communicator
+    across their blocks: each rank's count of process groups before and after, and the sub's result."""
+    import torch.distributed.distributed_c10d as c10d
+
+    out: list[Any] = []
+    for machine in (comm.rank, comm.rank // 4):
+        before = len(c10d._world.pg_names)
+        c = distcomm.GlooCommunicator(machine=machine, timeout=30)
+        grew = len(c10d._world.pg_names) - before
+        sub = c.split(c.rank % 2)  # its groups are named by torch from each member's count of groups
+        out.append((c._blocks, grew, sub.all_gather(c.rank)))  # type: ignore[attr-defined]
+    return out
+
+
+def test_every_rank_joins_as_many_groups_so_sub_communicators_meet() -> None:
+    results = spawn(_groups_in_two_levels, 7, timeout=120)
+    for r, got in enumerate(results):
+        (blocks, grew, sub), (mblocks, mgrew, msub) = got
+        assert blocks == [[0, 1, 2], [3, 4, 5], [6]] and mblocks == [[0, 1, 2, 3], [4, 5, 6]]
+        assert grew == results[0][0][1] and mgrew == results[0][1][1]  # the same count on every rank
+        assert sub == msub == list(range(r % 2, 7, 2))
+
+
 @pytest.mark.parametrize(("world", "machines", "blocks"), [
     (4, [[0, 1, 2, 3]], [[0, 1, 2, 3]]),  # small worlds: one block (set-up; the slots go all to all)
     (16, [list(range(16))], [list(range(16))]),  # one machine: one block
