@@ -14,8 +14,9 @@ A collective runs in up to three steps, the same on every rank:
    memory. Nobody pads to the largest rank; a rank that needs nothing gets nothing. Who sends what
    to whom is computed per op in closed form, O(world): all_gather and gather in one all-to-all when
    that costs no copy or only small ones (every rank decides alike, from the slots), else point to
-   point; broadcast down a split binary tree in pipelined chunks; scatter as a slot per receiver with that
-   receiver's part only, then the part.
+   point; broadcast down a split binary tree in pipelined chunks; scatter as a slot per receiver with
+   that receiver's part only (beyond small worlds, of one size the root announces, holding small
+   parts whole: the one bounded padding, see ``_scatter_slot_size``), then the part if it didn't fit.
 3. Each receiver deserializes; out-of-band buffers become the results' memory. Python's cyclic
    garbage collector waits while large results load.
 
@@ -1612,23 +1613,40 @@ class Communicator(abc.ABC):
         self._exchange([(r, mine) for r in peers], [(r, out[r * size : (r + 1) * size]) for r in peers], timeout)
         return view
 
+    _SCATTER_SLOT_MAX = 4 << 10
+    """The most a scatter's per-rank slot holds beyond small worlds (also at most ``slot_bytes``)."""
+
+    def _scatter_slot_cap(self) -> int:
+        return min(self.slot_bytes, self._SCATTER_SLOT_MAX)
+
     def _scatter_slot_size(self, parts: list[list[memoryview]], root: int, size: int) -> int:
-        """The size of the slot a scatter's root sends each rank. Beyond small worlds: the smallest
-        multiple of 8 that holds whole (table and bytes) the largest part that fits in ``slot_bytes``
-        (and ``max_bytes``), so that small parts reach their ranks in that one message, one native
-        scatter on gloo; ``size`` (the header slot's, announced by nothing) when that is no larger.
-        A part that doesn't fit travels after it, as its own messages. Every rank receives at most
-        ``slot_bytes`` more than its part: the price of one scatter in place of a message per rank."""
+        """The size of the slot a scatter's root sends each rank. Beyond small worlds: large enough to
+        hold whole (table and bytes, rounded up to 8) as many parts as it can, up to the largest that
+        fits in ``_scatter_slot_cap`` (and ``max_bytes``), so that small parts reach their ranks in
+        that one message (one native scatter on gloo) — but no larger than keeps what the root sends
+        in those slots within twice the bytes of the parts they hold: a few large parts among many
+        small ones travel after their slots instead of padding every rank's. ``size`` (the header
+        slot's, announced by nothing) when no size over it qualifies."""
         if self.world_size <= _frame.SMALL_WORLD:
             return size
-        cap = self.slot_bytes if self.max_bytes is None else min(self.slot_bytes, self.max_bytes)
-        need = size
+        cap = self._scatter_slot_cap() if self.max_bytes is None else min(self._scatter_slot_cap(), self.max_bytes)
+        table = _frame.table_size([1])
+        needs = []
         for r, p in enumerate(parts):
             if r != root:
                 n = -(-(_frame.table_size([len(p)]) + sum(seg.nbytes for seg in p)) // 8) * 8
-                if need < n <= cap:
-                    need = n
-        return need
+                if n <= cap:
+                    needs.append(n)
+        needs.sort()
+        held = sum(needs)  # the bytes of the parts a slot of needs[k] holds whole: needs[0..k]
+        for k in range(len(needs) - 1, -1, -1):
+            n = needs[k]
+            if n <= size:
+                break
+            if (self.world_size - 1) * n <= 2 * held + (self.world_size - 1) * table:
+                return n
+            held -= n
+        return size
 
     @staticmethod
     def _scatter_head(op: Op, seq: int, root: int, digest: int, sub: int, size: int) -> bytearray:
@@ -1644,10 +1662,14 @@ class Communicator(abc.ABC):
         if not head.parts:
             return size
         entries = head.parts[0] if len(head.parts) == 1 else []
-        n = entries[0][0] if len(entries) == 1 and entries[0][1] is None else -1
-        if not size < n <= max(size, self.slot_bytes):
+        if len(entries) != 1 or entries[0][1] is not None:
+            raise FrameError(f"{op.label} #{seq}: rank {root}'s header slot doesn't announce the size of the slot "
+                             f"of each rank's part (one segment that travels later)", op=op.label, ranks=[root])
+        n, cap = entries[0][0], self._scatter_slot_cap()
+        if not size < n <= cap:
             raise FrameError(f"{op.label} #{seq}: rank {root} announced a slot of {n} bytes for each rank's part "
-                             f"(this communicator's are {size} to {self.slot_bytes} bytes)", op=op.label, ranks=[root])
+                             f"(this communicator's are over {size} and at most {cap} bytes)", op=op.label,
+                             ranks=[root])
         return n
 
     def _deliver_scatter_slots(

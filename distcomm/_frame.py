@@ -35,7 +35,8 @@ import numpy as np
 from ._errors import FrameError
 
 MAGIC = b"DCM1"
-VERSION = 2
+VERSION = 3
+"""3: a scatter root's header slot may announce the size of the per-rank slots (``encode_later``)."""
 HEADER = struct.Struct("<4sBBBBqiIIQq")
 HEADER_SIZE = HEADER.size
 MIN_SLOT = 256

@@ -96,6 +96,25 @@ def _check_scatters(r: int, n: int, out: dict[str, Any], blocks: list[list[int]]
             assert sent == hs, name
 
 
+@pytest.mark.parametrize("rank", [0, 1, 7, 700])
+def test_a_few_large_parts_dont_pad_every_ranks_scatter_slot(rank: int) -> None:
+    """One part just under ``slot_bytes`` among 1,023 of 10 bytes: the slots are sized for the
+    small ones, and the large one follows its slot, so no rank receives more than its own part and
+    a small slot, and the root sends about what the parts weigh (with a large ``slot_bytes`` too)."""
+    for slot_bytes in (4096, 1 << 20):
+        parts = ["x" * (4096 - 200) if i == 7 else f"{i:010d}" for i in range(1024)]
+        comm = FakeCommunicator(rank, 1024, peers=lambda op, r, obj: parts if op == "scatter" else obj,
+                                slot_bytes=slot_bytes)
+        assert comm.scatter(parts if rank == 0 else None, src=0) == parts[rank]
+        s = comm.stats["scatter"]
+        headers = 1023 * _frame.HEADER_SLOT
+        if rank == 0:
+            assert s.bytes_sent <= headers + 1023 * 96 + 4096
+        else:
+            extra = 4096 - 200 + 64 if rank == 7 else 0
+            assert s.bytes_received - headers <= 96 + extra
+
+
 @pytest.mark.parametrize("n", [5, 8, 13])
 def test_small_scatter_parts_travel_in_their_slots_threaded(n: int) -> None:
     for r, out in enumerate(run_threaded(_scatters, n, timeout=60)):
