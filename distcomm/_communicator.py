@@ -1658,7 +1658,8 @@ class Communicator(abc.ABC):
 
     def _announced_slot_size(self, op: Op, seq: int, root: int, head: _frame.Slot, size: int) -> int:
         """The size of the slot this rank receives from scatter's root, as the root's header slot
-        ``head`` announced it: ``size``, or up to ``slot_bytes`` (the same check on every rank)."""
+        ``head`` announced it: ``size``, or over it and at most ``_scatter_slot_cap`` (the same
+        check on every rank, before anything is allocated)."""
         if not head.parts:
             return size
         entries = head.parts[0] if len(head.parts) == 1 else []
