@@ -391,10 +391,10 @@ def _groups_in_two_levels(comm: distcomm.Communicator) -> list[Any]:
     out: list[Any] = []
     for machine in (comm.rank, comm.rank // 4):
         before = len(c10d._world.pg_names)
-        c = distcomm.GlooCommunicator(machine=machine, timeout=30)
-        grew = len(c10d._world.pg_names) - before
-        sub = c.split(c.rank % 2)  # its groups are named by torch from each member's count of groups
-        out.append((c._blocks, grew, sub.all_gather(c.rank)))  # type: ignore[attr-defined]
+        with distcomm.GlooCommunicator(machine=machine, timeout=30) as c:
+            grew = len(c10d._world.pg_names) - before
+            with c.split(c.rank % 2) as sub:  # its groups are named by torch from each member's count
+                out.append((c._blocks, grew, sub.all_gather(c.rank)))  # type: ignore[attr-defined]
     return out
 
 
