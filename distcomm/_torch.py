@@ -494,7 +494,6 @@ class _TorchCommunicator(Communicator):
     def _allgather_slots(self, slot: bytearray, size: int, timeout: float | None) -> memoryview:
         if self._world > _frame.SMALL_WORLD:
             return self._gather_headers(slot, size, timeout)
-        self._alike = None
         return super()._allgather_slots(slot, size, timeout)
 
     def _gather_headers(self, slot: bytearray, size: int, timeout: float | None) -> memoryview:
