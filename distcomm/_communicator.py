@@ -8,7 +8,7 @@ A collective runs in up to three steps, the same on every rank:
    rank's sizes, failures and what it called, so all ranks take the same decision: raise the same
    error, or go on. Small worlds exchange ``slot_bytes`` slots in one step; larger ones exchange
    64-byte header slots: the torch transports in native gathers and broadcasts over blocks of ranks
-   (the machines, or runs of sqrt(world) ranks), the test doubles with Bruck's all-gather
+   (the machines, or rank 0 and runs of sqrt(world) ranks), the test doubles with Bruck's all-gather
    (log2(world) messages per rank).
 2. Segments that did not fit move into buffers of their exact size, sent from the sender's own
    memory. Nobody pads to the largest rank; a rank that needs nothing gets nothing. Who sends what

@@ -144,15 +144,17 @@ def _header_blocks(world: int, machines: list[list[int]]) -> list[list[int]]:
     first rank gathers its block's slots, and rank 0 gathers those blocks' tables from their first
     ranks. The machines, when each holds two ranks or more (and at most ``_MACHINE_BLOCK_MAX``): the
     first level then stays inside each machine, and one machine is one block (a gather on rank 0);
-    else (machines of one rank, or too large) runs of ceil(sqrt(world)) consecutive ranks, so that no
-    rank handles more than about 2 sqrt(world) messages."""
+    else (machines of one rank, or too large) rank 0 alone, and the other ranks in runs of
+    ceil(sqrt(world - 1)) consecutive ranks: no rank handles more than about 2 sqrt(world)
+    messages, and rank 0, which every table reaches, takes only the runs' tables (one message per
+    run, not a run of its own as well)."""
     if world <= _frame.SMALL_WORLD:
         return [list(range(world))]
     if min(len(m) for m in machines) >= 2 and max(len(m) for m in machines) <= _MACHINE_BLOCK_MAX \
             and machines[0][0] == 0:
         return [list(m) for m in machines]
-    b = math.isqrt(world - 1) + 1
-    return [list(range(i, min(i + b, world))) for i in range(0, world, b)]
+    b = math.isqrt(world - 2) + 1
+    return [[0]] + [list(range(i, min(i + b, world))) for i in range(1, world, b)]
 
 
 def _binomial_children(m: int, v: int) -> int:
@@ -504,8 +506,9 @@ class _TorchCommunicator(Communicator):
         when every slot but at most one is the same (agreement-only calls, broadcast, scatter: the
         common slot and the odd one), or else the whole table after the summary that says so: to the
         blocks' first ranks, each of which broadcasts it in its block (gloo's binomial trees).
-        A rank that leads no block makes two native calls (three with the table); one that does,
-        four (six). With one block (set-up, small worlds) it is a gather and a broadcast."""
+        A rank alone in its block, or that leads none, makes two native calls (three with the table);
+        one that leads a block of several, four (six). With one block (set-up, small worlds) it is a
+        gather and a broadcast."""
         world, me, blocks, block = self._world, self._rank, self._blocks, self._block
         out = torch.empty(world * size, dtype=torch.uint8)
         view = memoryview(out.numpy())  # type: ignore[arg-type]

@@ -317,9 +317,9 @@ _ONE_KIB_OOB = distcomm.PickleSerializer(oob_threshold=1024)
 
 LAYOUTS = {  # the header exchange's blocks in a gloo world of 6 (see _header_blocks)
     "one machine": [[0, 1, 2, 3, 4, 5]],
-    "hosts of one rank": [[0, 1, 2], [3, 4, 5]],
+    "hosts of one rank": [[0], [1, 2, 3], [4, 5]],
     "machines of 2": [[0, 1], [2, 3], [4, 5]],
-    "uneven": [[0], [1, 2, 3], [4, 5]],
+    "uneven": [[0, 1], [2], [3, 4, 5]],
 }
 
 
@@ -384,7 +384,7 @@ def test_header_exchange_over_blocks_gloo(layout: str) -> None:
 
 def _groups_in_two_levels(comm: distcomm.Communicator) -> list[Any]:
     """Communicators whose header exchange runs in two levels (hosts of one rank each: runs of
-    sqrt(world) ranks, the last one alone; machines of 4 and 3 ranks), then a sub-communicator
+    sqrt(world) ranks after rank 0, alone; machines of 4 and 3 ranks), then a sub-communicator
     across their blocks: each rank's count of process groups before and after, and the sub's result."""
     import torch.distributed.distributed_c10d as c10d
 
@@ -402,7 +402,7 @@ def test_every_rank_joins_as_many_groups_so_sub_communicators_meet() -> None:
     results = spawn(_groups_in_two_levels, 7, timeout=120)
     for r, got in enumerate(results):
         (blocks, grew, sub), (mblocks, mgrew, msub) = got
-        assert blocks == [[0, 1, 2], [3, 4, 5], [6]] and mblocks == [[0, 1, 2, 3], [4, 5, 6]]
+        assert blocks == [[0], [1, 2, 3], [4, 5, 6]] and mblocks == [[0, 1, 2, 3], [4, 5, 6]]
         assert grew == results[0][0][1] and mgrew == results[0][1][1]  # the same count on every rank
         assert sub == msub == list(range(r % 2, 7, 2))
 
@@ -410,11 +410,14 @@ def test_every_rank_joins_as_many_groups_so_sub_communicators_meet() -> None:
 @pytest.mark.parametrize(("world", "machines", "blocks"), [
     (4, [[0, 1, 2, 3]], [[0, 1, 2, 3]]),  # small worlds: one block (set-up; the slots go all to all)
     (16, [list(range(16))], [list(range(16))]),  # one machine: one block
-    (16, [[r] for r in range(16)], [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]),
-    (10, [[r] for r in range(10)], [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]),
+    # hosts of one rank: rank 0 alone, the others in runs of ceil(sqrt(world - 1))
+    (16, [[r] for r in range(16)], [[0], [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15]]),
+    (10, [[r] for r in range(10)], [[0], [1, 2, 3], [4, 5, 6], [7, 8, 9]]),
+    (5, [[r] for r in range(5)], [[0], [1, 2], [3, 4]]),
     (24, [list(range(0, 24, 2)), list(range(1, 24, 2))], [list(range(0, 24, 2)), list(range(1, 24, 2))]),
-    (12, [[0, 1, 2, 3, 4], [5], [6, 7, 8, 9, 10, 11]], [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]),
-    (130, [list(range(65)), list(range(65, 130))], [list(range(i, min(i + 12, 130))) for i in range(0, 130, 12)]),
+    (12, [[0, 1, 2, 3, 4], [5], [6, 7, 8, 9, 10, 11]], [[0], [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11]]),
+    (130, [list(range(65)), list(range(65, 130))],
+     [[0]] + [list(range(i, min(i + 12, 130))) for i in range(1, 130, 12)]),
 ])
 def test_header_blocks_follow_the_machines_else_sqrt_runs(world: int, machines: list[list[int]],
                                                           blocks: list[list[int]]) -> None:
@@ -425,12 +428,13 @@ def test_header_blocks_follow_the_machines_else_sqrt_runs(world: int, machines: 
 
 def test_header_blocks_at_1024_ranks() -> None:
     """Machines of 8 GPUs: 128 blocks of 8 (rank 0 gathers 7 slots, then 127 tables); hosts of one
-    rank: 32 blocks of 32 (31 slots, then 31 tables)."""
+    rank: rank 0 alone, then 31 blocks of 32 and one of 31 (rank 0 gathers 32 tables, nothing else)."""
     from distcomm._torch import _header_blocks
 
     machines = [list(range(m, m + 8)) for m in range(0, 1024, 8)]
     assert _header_blocks(1024, machines) == machines
-    assert _header_blocks(1024, [[r] for r in range(1024)]) == [list(range(m, m + 32)) for m in range(0, 1024, 32)]
+    assert _header_blocks(1024, [[r] for r in range(1024)]) == [[0]] + [list(range(m, min(m + 32, 1024)))
+                                                                        for m in range(1, 1024, 32)]
 
 
 @pytest.mark.parametrize("world_size", [3, 6])
