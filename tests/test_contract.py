@@ -41,7 +41,8 @@ def test_gloo(world_size: int) -> None:
 
 @pytest.mark.slow
 def test_gloo_header_exchange_in_two_levels() -> None:
-    """8 processes laid out as hosts of one rank each: header slots gathered in blocks of 3, 3 and 2."""
+    """8 processes laid out as hosts of one rank each: rank 0 alone, then header slots gathered in blocks of
+    3, 3 and 1."""
     for r, result in enumerate(spawn(exercise_in_blocks, 8, timeout=180)):
         check(result, local=(r, 8))
 
