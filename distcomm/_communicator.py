@@ -1399,17 +1399,21 @@ class Communicator(abc.ABC):
 
     def _build_slot(
         self, op: Op, seq: int, root: int, digest: int, parts: list[list[memoryview]], size: int
-    ) -> tuple[bytearray, list[list[memoryview]]]:
-        """The slot, and the parts as they travel (each packed into one segment if the table overflows)."""
+    ) -> tuple[bytearray, list[list[memoryview]], _frame.Slot]:
+        """The slot, the parts as they travel (each packed into one segment if the table overflows),
+        and the slot as decoded."""
         try:
-            return _frame.encode(op, seq, root, digest, parts, size), parts
+            slot, mine = _frame.encode_slot(op, seq, root, digest, parts, size)
+            return slot, parts, mine
         except ValueError:  # the segment table doesn't fit: one packed segment per part
             packed = [[memoryview(_frame.pack(p))] for p in parts]
         try:
-            return _frame.encode(op, seq, root, digest, packed, size, flags=_frame.PACKED), packed
+            slot, mine = _frame.encode_slot(op, seq, root, digest, packed, size, flags=_frame.PACKED)
+            return slot, packed, mine
         except ValueError:  # a status slot whose message fits (so nothing follows it)
             message = f"{len(parts)} parts don't fit a slot of {size} bytes"[: size - _frame.HEADER_SIZE]
-            return _frame.encode_status(_frame.INVALID, op, seq, root, message, size), []
+            slot = _frame.encode_status(_frame.INVALID, op, seq, root, message, size)
+            return slot, [], _frame.decode(slot)
 
     def _run(
         self,
@@ -1463,20 +1467,19 @@ class Communicator(abc.ABC):
             # each receiver gets a slot of its own part: nobody receives a table of every part
             part_slot = self._scatter_slot_size(parts, root, size)
             built = [self._build_slot(op, seq, root, digest, [p], part_slot) for p in parts]
-            subs, parts = [s for s, _ in built], [p[0] for _, p in built]
-            decoded = [_frame.decode(s) for s in subs]
-            bad = next((d.message for d in decoded if d.header.status), None)
+            subs, parts = [s for s, _, _ in built], [p[0] for _, p, _ in built]
+            bad = next((d.message for _, _, d in built if d.header.status), None)
             if bad is not None:
                 status, message = _frame.INVALID, bad
-            tables = [d.parts[0] if d.parts else [] for d in decoded]
+            tables = [d.parts[0] if d.parts else [] for _, _, d in built]
         if status != _frame.OK:
             slot = _frame.encode_status(status, op, seq, root, message, size)
+            mine = _frame.decode(slot)
         elif kind is _SCATTER:
             slot = self._scatter_head(op, seq, root, digest, part_slot, size)
+            mine = _frame.decode(slot)
         else:
-            slot, parts = self._build_slot(op, seq, root, digest, parts, size)
-        mine = _frame.decode(slot)  # before the exchange: the code after it runs on a cold cache
-        if kind is not _SCATTER:
+            slot, parts, mine = self._build_slot(op, seq, root, digest, parts, size)
             tables = mine.parts
         t1 = time.perf_counter()
         st.serialize_s += t1 - t0

@@ -110,11 +110,37 @@ def encode(
     Raises:
         ValueError: the table doesn't fit in ``slot_size`` (the caller packs and retries).
     """
+    return _encode(op, seq, root, digest, parts, slot_size, flags, None)
+
+
+def encode_slot(
+    op: int,
+    seq: int,
+    root: int,
+    digest: int,
+    parts: Sequence[Sequence[memoryview]],
+    slot_size: int,
+    *,
+    flags: int = 0,
+) -> tuple[bytearray, Slot]:
+    """``encode``, and the slot as ``decode`` reads it back (inline segments: views of the bytes),
+    without decoding: what a rank knows of its own slot."""
+    table: list[list[tuple[int, memoryview | None]]] = []
+    out = _encode(op, seq, root, digest, parts, slot_size, flags, table)
+    later = [n for part in table for n, inline in part if inline is None]
+    total = sum(n for part in table for n, _ in part)
+    return out, Slot(Header(OK, int(op), flags, seq, root, digest, total), table, "", sum(later), len(later))
+
+
+def _encode(op: int, seq: int, root: int, digest: int, parts: Sequence[Sequence[memoryview]], slot_size: int,
+            flags: int, table: list[list[tuple[int, memoryview | None]]] | None) -> bytearray:
+    """``encode``; with ``table``, each part's entries appended to it as ``decode`` gives them."""
     lengths = [len(p) for p in parts]
     head = table_size(lengths)
     if head > slot_size:
         raise ValueError(f"segment table needs {head} bytes, slot holds {slot_size}")
     out = bytearray(slot_size)
+    view = memoryview(out) if table is not None else None
     total = 0
     nsegs = 0
     pos = HEADER_SIZE
@@ -123,17 +149,24 @@ def encode(
         pos += 4
     data = head
     for p in parts:
+        entries: list[tuple[int, memoryview | None]] = []
         for seg in p:
             n = seg.nbytes
             total += n
             nsegs += 1
-            if data + n <= slot_size:
+            inline = data + n <= slot_size
+            if inline:
                 _I64.pack_into(out, pos, -(n + 1))
                 out[data : data + n] = flat(seg)
-                data += n
             else:
                 _I64.pack_into(out, pos, n)
+            if view is not None:
+                entries.append((n, view[data : data + n] if inline else None))
+            if inline:
+                data += n
             pos += 8
+        if table is not None:
+            table.append(entries)
     HEADER.pack_into(out, 0, MAGIC, VERSION, OK, op, flags, seq, root, len(lengths), nsegs, digest, total)
     return out
 

@@ -32,6 +32,23 @@ def test_round_trip(parts: list[list[bytes]], seq: int, root: int, digest: int) 
                 assert bytes(inline) == s
 
 
+@given(parts=segments, seq=st.integers(0, 2**62), digest=st.integers(0, 2**64 - 1), packed=st.booleans(),
+       size=st.sampled_from([64, 256, 1024]))
+@settings(max_examples=200, deadline=None)
+def test_encode_slot_is_what_decode_reads_back(parts: list[list[bytes]], seq: int, digest: int, packed: bool,
+                                               size: int) -> None:
+    """A rank's own slot, as the pipeline takes it from encoding (no decode): the same as decoded."""
+    views = [[memoryview(s) for s in p] for p in parts]
+    flags = _frame.PACKED if packed else 0
+    if _frame.table_size([len(p) for p in parts]) > size:
+        with pytest.raises(ValueError):
+            _frame.encode_slot(3, seq, 2, digest, views, size, flags=flags)
+        return
+    slot, mine = _frame.encode_slot(3, seq, 2, digest, views, size, flags=flags)
+    assert slot == _frame.encode(3, seq, 2, digest, views, size, flags=flags)
+    assert mine == _frame.decode(slot)
+
+
 @given(data=st.binary(max_size=2048))
 @settings(max_examples=500, deadline=None)
 def test_random_bytes_decode_or_frame_error(data: bytes) -> None:

@@ -219,10 +219,10 @@ class FakeCommunicator(Communicator):
             if r != root:
                 return _frame.encode(op, seq, root, 0, [], size)
             part_slot = self._scatter_slot_size(parts, root, size)
-            sub, mine = self._build_slot(op, seq, root, 0, [parts[me]], part_slot)
+            sub, mine, _ = self._build_slot(op, seq, root, 0, [parts[me]], part_slot)
             self._feed(r, [memoryview(sub), *self._later(sub, mine, 0)])
             return self._scatter_head(op, seq, root, 0, part_slot, size)
-        slot, parts = self._build_slot(op, seq, root, 0, parts, size)
+        slot, parts, _ = self._build_slot(op, seq, root, 0, parts, size)
         if kind is Op.GATHER and parts:
             self._peer_segs[r] = parts[0]  # every segment, should the gather go up the tree
         if kind is Op.BROADCAST:
