@@ -77,7 +77,7 @@ class SimCommunicator(FakeCommunicator):
         self._native = False
         self._tape: dict[tuple[int, int, int], tuple[bytes, dict[int, list[memoryview]]]] = {}
 
-    def _allgather_slots(self, slot: bytearray, size: int, timeout: float | None) -> memoryview:
+    def _exchange_slots(self, slot: bytearray, size: int, timeout: float | None) -> tuple[memoryview, Any]:
         t0 = time.thread_time()
         op, root, _ = self._ctx
         key = (int(op), root, size)
@@ -99,18 +99,19 @@ class SimCommunicator(FakeCommunicator):
                     np.frombuffer(patched, dtype=_frame._header_dtype(v.nbytes), count=1)["seq"] = self._seq
                     q[i] = memoryview(patched)
         world = self.world_size
+        alike = None
         if world > 4:  # gloo's header exchange over machines of 8 (one machine up to 8 ranks)
             summary = memoryview(bytearray(8 + 2 * size))
             t1 = time.thread_time()
             odd = _summarize(memoryview(buf), world, size, summary)
-            self._alike = None if odd == -2 else (odd, bytes(summary[8 : 8 + size]))  # as gloo's exchange
+            alike = None if odd == -2 else (odd, bytes(summary[8 : 8 + size]))  # as gloo's exchange
             if self.rank == 0:  # the summary is rank 0's own work, not the transport's
                 t0 += time.thread_time() - t1
             self.native += header_calls(world, self.rank, int.from_bytes(summary[:8], "little", signed=True) == -1)
         else:  # gloo's all-to-all
             self.native += 1
         self.transport_s += time.thread_time() - t0
-        return memoryview(buf)
+        return memoryview(buf), alike
 
     def _exchange(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]],
                   timeout: float | None) -> None:

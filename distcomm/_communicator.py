@@ -133,6 +133,8 @@ class OpStats:
 
 
 _Seg = tuple[memoryview, bool]
+_Alike = tuple[int, bytes] | None
+"""What a slot exchange learnt of the slots: (k, c), every slot but slot k (-1: none) is c; or None."""
 """A segment this rank received: its bytes, and whether they came inline in a slot (the transport's
 buffer, copied before they become a result's memory) or in a buffer of their own."""
 
@@ -474,9 +476,6 @@ class Communicator(abc.ABC):
     # In a world of one, collectives return at once without serializing (LocalCommunicator); the
     # fake sets this False to run the whole pipeline at every world size.
     _alone = True
-    _alike: tuple[int, bytes] | None = None
-    """Set by a transport whose slot exchange learns how alike the slots are (the gloo header
-    exchange's summary), for the one ``_run`` that called it: see ``_frame.agreed``."""
 
     # Step 2 runs as one all-to-all unless a rank would have to copy more than this many bytes to
     # line up its sends, or any rank sends or receives more than the max: then point to point.
@@ -1484,8 +1483,7 @@ class Communicator(abc.ABC):
         t1 = time.perf_counter()
         st.serialize_s += t1 - t0
 
-        raw = self._allgather_slots(slot, size, timeout)
-        alike, self._alike = self._alike, None
+        raw, alike = self._exchange_slots(slot, size, timeout)
         slots = _Slots(raw, size, self.rank, mine)
         # max_bytes caps serialized payloads (set-up precedes agreement on it; inline words aren't payloads)
         cap = self.max_bytes if serialize and op is not _SETUP else None
@@ -1578,6 +1576,12 @@ class Communicator(abc.ABC):
         """``_exchange``, with what it moves added to this op's counters."""
         self._count(sum(t.numel() for _, t in sends), sum(t.numel() for _, t in recvs))
         self._exchange(sends, recvs, timeout)
+
+    def _exchange_slots(self, slot: bytearray, size: int, timeout: float | None) -> tuple[memoryview, _Alike]:
+        """The pipeline's first exchange: every rank's slot (``_allgather_slots``), and what the
+        exchange learnt of how alike they are, for ``_frame.agreed``: (k, c), every slot but slot k
+        (-1: none) is c, byte for byte; None where it learnt nothing (this default)."""
+        return self._allgather_slots(slot, size, timeout), None
 
     def _allgather_slots(self, slot: bytearray, size: int, timeout: float | None) -> memoryview:
         """Every rank's slot of ``size`` bytes, in rank order, flat.

@@ -20,7 +20,16 @@ import torch
 import torch.distributed as dist
 
 from . import _frame
-from ._communicator import DEFAULT_SLOT_BYTES, DEFAULT_TIMEOUT, Communicator, Op, _exclusive, _seconds, _states_table
+from ._communicator import (
+    DEFAULT_SLOT_BYTES,
+    DEFAULT_TIMEOUT,
+    Communicator,
+    Op,
+    _Alike,
+    _exclusive,
+    _seconds,
+    _states_table,
+)
 from ._errors import (
     CollectiveError,
     CollectiveTimeoutError,
@@ -493,12 +502,17 @@ class _TorchCommunicator(Communicator):
             cached = self._opts_cache = (timeout, opts)
         return cached[1]
 
-    def _allgather_slots(self, slot: bytearray, size: int, timeout: float | None) -> memoryview:
+    def _exchange_slots(self, slot: bytearray, size: int, timeout: float | None) -> tuple[memoryview, _Alike]:
         if self._world > _frame.SMALL_WORLD:
             return self._gather_headers(slot, size, timeout)
+        return super()._exchange_slots(slot, size, timeout)
+
+    def _allgather_slots(self, slot: bytearray, size: int, timeout: float | None) -> memoryview:
+        if self._world > _frame.SMALL_WORLD:
+            return self._gather_headers(slot, size, timeout)[0]
         return super()._allgather_slots(slot, size, timeout)
 
-    def _gather_headers(self, slot: bytearray, size: int, timeout: float | None) -> memoryview:
+    def _gather_headers(self, slot: bytearray, size: int, timeout: float | None) -> tuple[memoryview, _Alike]:
         """Every rank's slot, in native collectives over the blocks of ``_header_blocks``, in two levels.
 
         Up: each block's first rank gathers its block's slots (one message from each rank), and rank 0
@@ -548,7 +562,7 @@ class _TorchCommunicator(Communicator):
         self._headers_down(summary, leaders, timeout)
         odd = _I64.unpack_from(sview, 0)[0] - 1
         # what the summary says of the table, for the pipeline's agreement (``_frame.agreed``)
-        self._alike = None if odd == -2 else (odd, bytes(sview[8 : 8 + size]))
+        alike = None if odd == -2 else (odd, bytes(sview[8 : 8 + size]))
         if odd == -2:
             self._headers_down(out, leaders, timeout)
         elif me != 0:
@@ -556,7 +570,7 @@ class _TorchCommunicator(Communicator):
             rows[:] = np.frombuffer(sview, dtype=np.uint8, count=size, offset=8)
             if odd >= 0:
                 rows[odd] = np.frombuffer(sview, dtype=np.uint8, count=size, offset=8 + size)
-        return view
+        return view, alike
 
     def _headers_down(self, buf: torch.Tensor, leaders: Any, timeout: float | None) -> None:
         """Rank 0's ``buf`` to every rank: to the blocks' first ranks, then within each block."""
