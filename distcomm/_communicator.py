@@ -21,9 +21,11 @@ A collective runs in up to three steps, the same on every rank:
    garbage collector waits while large results load.
 
 Subclasses only move bytes: ``_exchange`` (point to point), ``_reduce_tensor``, and optionally
-``_allgather_small`` (the small-world slot exchange), ``_alltoallv`` (a native all-to-all; the
-defaults go through ``_exchange``) and ``_device_barrier``. The in-process test world implements the
-same, so unit tests run this very code.
+native forms of the pipeline's moves, whose defaults go through ``_exchange``: ``_exchange_slots``
+/ ``_allgather_slots`` (the first exchange; the torch transports' header exchange beyond small
+worlds), ``_allgather_small`` (the small-world slot exchange), ``_alltoallv`` (an all-to-all),
+``_broadcast_buffer``, ``_scatter_slots``, the tensor collectives' ``_tensor_*`` and
+``_device_barrier``. The in-process test world implements the same, so unit tests run this very code.
 """
 
 from __future__ import annotations
