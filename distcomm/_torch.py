@@ -197,6 +197,11 @@ def _alive(pid: int) -> bool:
         return True
 
 
+_REUSABLE_NAMES: set[str] = set()
+"""Names of live groups this process made with use_local_synchronization, whose names torch may
+give again once they are destroyed (see ``_TorchCommunicator._forget_keys``)."""
+
+
 def _machine_key(machine: str | int | None) -> str:
     if isinstance(machine, str) and machine.startswith(("given:", "torchrun-node:", "host:")):
         return machine  # a key already made (a sub-communicator's, from its parent)
@@ -284,7 +289,26 @@ class _TorchCommunicator(Communicator):
         )
         if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER:
             self._owned.append(g)
+            if not self._is_world:
+                _REUSABLE_NAMES.add(g.group_name)
         return g
+
+    def _forget_keys(self, names: list[str]) -> None:
+        """Delete the store keys of the groups ``names``, destroyed: torch names a group made with
+        use_local_synchronization from its ranks and its members' count of groups, which destroying
+        it brings back down, so the next group of those ranks gets the same name; its members would
+        then read the closed group's addresses from the store ("Connection refused") instead of
+        each other's. Each member deletes the keys when it closes, before it can take part in the
+        exchange that makes the next group of that name. Best effort: a store that can't be reached
+        at teardown (the job is ending) leaves them."""
+        if not names or self._store is None:
+            return
+        try:
+            keys = [k for k in self._store.list_keys() if k.startswith(tuple(f"{n}/" for n in names))]
+            for k in keys:
+                self._store.delete_key(k)
+        except Exception:  # noqa: S110 - best effort on teardown
+            pass
 
     def _setup(self, machine: str) -> None:
         # Set-up's slot has one size whatever the settings, so ranks whose settings differ still
@@ -364,11 +388,17 @@ class _TorchCommunicator(Communicator):
         # that needs the GIL. Release the GIL for a moment so that it can, now: at interpreter exit
         # it would abort the process ("terminate called without an active exception").
         time.sleep(_SETTLE_SECONDS)
+        reused = []
         for g in reversed(self._owned):
+            name = getattr(g, "group_name", None)
             try:
                 dist.destroy_process_group(g)
             except Exception:  # noqa: S110 - best effort on teardown
                 pass
+            if name in _REUSABLE_NAMES:
+                _REUSABLE_NAMES.discard(name)
+                reused.append(name)
+        self._forget_keys(reused)
         destroyed = bool(self._owned)
         self._owned.clear()
         if self._owns_default:

@@ -407,6 +407,29 @@ def test_every_rank_joins_as_many_groups_so_sub_communicators_meet() -> None:
         assert sub == msub == list(range(r % 2, 7, 2))
 
 
+def _sub_communicators_again_and_again(comm: distcomm.Communicator) -> list[Any]:
+    """Sub-communicators with header blocks of their own (hosts of one rank), made and closed again
+    and again: each time the same ranks, so the same group names in torch's store."""
+    r, out = comm.rank, []
+    with distcomm.GlooCommunicator(machine=r, timeout=30) as c:
+        for _ in range(3):
+            with c.split(0) as sub:
+                out.append(sub.all_gather(r))
+            sub2 = c.new_group([1, 2, 3, 4, 5])  # None on rank 0
+            out.append(None if sub2 is None else sub2.all_gather(r))
+            if sub2 is not None:
+                sub2.close()
+    return out
+
+
+def test_sub_communicators_made_again_meet_again() -> None:
+    """torch names a sub-communicator's groups from their ranks and its count of groups, which
+    closing them brings back down: the next ones get the same names, and the store still holds
+    the closed ones' addresses. Each closed group's keys are gone, so the next ones meet."""
+    for r, got in enumerate(spawn(_sub_communicators_again_and_again, 6, timeout=150)):
+        assert got == [list(range(6)), None if r == 0 else [1, 2, 3, 4, 5]] * 3
+
+
 @pytest.mark.parametrize(("world", "machines", "blocks"), [
     (4, [[0, 1, 2, 3]], [[0, 1, 2, 3]]),  # small worlds: one block (set-up; the slots go all to all)
     (16, [list(range(16))], [list(range(16))]),  # one machine: one block
