@@ -135,10 +135,10 @@ class OpStats:
 
 
 _Seg = tuple[memoryview, bool]
-_Alike = tuple[int, bytes] | None
-"""What a slot exchange learnt of the slots: (k, c), every slot but slot k (-1: none) is c; or None."""
 """A segment this rank received: its bytes, and whether they came inline in a slot (the transport's
 buffer, copied before they become a result's memory) or in a buffer of their own."""
+_Alike = tuple[int, bytes] | None
+"""What a slot exchange learnt of the slots: (k, c), every slot but slot k (-1: none) is c; or None."""
 
 
 def _mv(t: torch.Tensor) -> memoryview:
