@@ -22,8 +22,8 @@ A collective runs in up to three steps, the same on every rank:
 
 Subclasses only move bytes: ``_exchange`` (point to point), ``_reduce_tensor``, and optionally
 native forms of the pipeline's moves, whose defaults go through ``_exchange``: ``_exchange_slots``
-/ ``_allgather_slots`` (the first exchange; the torch transports' header exchange beyond small
-worlds), ``_allgather_small`` (the small-world slot exchange), ``_alltoallv`` (an all-to-all),
+(the first exchange; the torch transports' header exchange beyond small worlds),
+``_allgather_small`` (the small-world slot exchange), ``_alltoallv`` (an all-to-all),
 ``_broadcast_buffer``, ``_scatter_slots``, the tensor collectives' ``_tensor_*`` and
 ``_device_barrier``. The in-process test world implements the same, so unit tests run this very code.
 """
@@ -1977,7 +1977,7 @@ class Communicator(abc.ABC):
         size = 256
         mine = _where(self._site).encode("utf-8", "replace")[: size - 2]
         slot = bytearray(struct.pack("<H", len(mine)) + mine + bytes(size - 2 - len(mine)))
-        flat = self._allgather_slots(slot, size, timeout)
+        flat, _ = self._exchange_slots(slot, size, timeout)
         out = []
         for r in range(self.world_size):
             raw = bytes(flat[r * size : (r + 1) * size])

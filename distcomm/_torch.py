@@ -537,11 +537,6 @@ class _TorchCommunicator(Communicator):
             return self._gather_headers(slot, size, timeout)
         return super()._exchange_slots(slot, size, timeout)
 
-    def _allgather_slots(self, slot: bytearray, size: int, timeout: float | None) -> memoryview:
-        if self._world > _frame.SMALL_WORLD:
-            return self._gather_headers(slot, size, timeout)[0]
-        return super()._allgather_slots(slot, size, timeout)
-
     def _gather_headers(self, slot: bytearray, size: int, timeout: float | None) -> tuple[memoryview, _Alike]:
         """Every rank's slot, in native collectives over the blocks of ``_header_blocks``, in two levels.
 

@@ -219,17 +219,17 @@ class FakeCommunicator(Communicator):
             if r != root:
                 return _frame.encode(op, seq, root, 0, [], size)
             part_slot = self._scatter_slot_size(parts, root, size)
-            sub, mine, _ = self._build_slot(op, seq, root, 0, [parts[me]], part_slot)
-            self._feed(r, [memoryview(sub), *self._later(sub, mine, 0)])
+            sub, mine, decoded = self._build_slot(op, seq, root, 0, [parts[me]], part_slot)
+            self._feed(r, [memoryview(sub), *self._later(decoded, mine, 0)])
             return self._scatter_head(op, seq, root, 0, part_slot, size)
-        slot, parts, _ = self._build_slot(op, seq, root, 0, parts, size)
+        slot, parts, decoded = self._build_slot(op, seq, root, 0, parts, size)
         if kind is Op.GATHER and parts:
             self._peer_segs[r] = parts[0]  # every segment, should the gather go up the tree
         if kind is Op.BROADCAST:
             if r == root and me != root:  # the root's bytes reach this rank down the broadcast's tree
-                self._feed_broadcast(root, self._later(slot, parts, 0))
+                self._feed_broadcast(root, self._later(decoded, parts, 0))
         elif kind is not Op.GATHER or me == root:
-            self._feed(r, self._later(slot, parts, 0))
+            self._feed(r, self._later(decoded, parts, 0))
         return slot
 
     def _feed_broadcast(self, root: int, later: list[memoryview]) -> None:
@@ -274,9 +274,9 @@ class FakeCommunicator(Communicator):
         return _frame.encode(Op.ALL_TO_ALL, self._seq, -1, 0, [], size)
 
     @staticmethod
-    def _later(slot: bytearray, parts: list[list[memoryview]], p: int) -> list[memoryview]:
-        """The segments of part ``p`` that travel after the slot."""
-        table = _frame.decode(slot).parts[p]
+    def _later(slot: _frame.Slot, parts: list[list[memoryview]], p: int) -> list[memoryview]:
+        """The segments of part ``p`` that travel after the slot (as ``_build_slot`` decoded it)."""
+        table = slot.parts[p]
         return [seg for (_, inline), seg in zip(table, parts[p], strict=True) if inline is None and seg.nbytes]
 
     def _feed(self, src: int, views: list[memoryview]) -> None:
