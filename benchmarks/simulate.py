@@ -103,7 +103,7 @@ class SimCommunicator(FakeCommunicator):
         if world > 4:  # gloo's header exchange over machines of 8 (one machine up to 8 ranks)
             summary = memoryview(bytearray(8 + 2 * size))
             t1 = time.thread_time()
-            odd = _summarize(memoryview(buf), world, size, summary)
+            odd = _summarize(buf, world, size, summary)  # rank 0's table: a bytearray, as gloo's exchange
             alike = None if odd == -2 else (odd, bytes(summary[8 : 8 + size]))  # as gloo's exchange
             if self.rank == 0:  # the summary is rank 0's own work, not the transport's
                 t0 += time.thread_time() - t1

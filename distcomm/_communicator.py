@@ -1448,7 +1448,8 @@ class Communicator(abc.ABC):
             status, message = invalid_status, invalid
         elif serialize:
             parts, status, message = self._serialize_local(op, root, obj)
-            if status == _frame.OK and op is not _SETUP:  # set-up precedes agreement on max_bytes
+            # set-up precedes agreement on max_bytes
+            if status == _frame.OK and op is not _SETUP and self.max_bytes is not None:
                 over = self._over_max_bytes(sum(s.nbytes for p in parts for s in p))
                 if over is not None:
                     status, message = _frame.TOO_LARGE, over
@@ -1528,7 +1529,7 @@ class Communicator(abc.ABC):
             results[self.rank] = obj
         token = _CUDA_TARGET.set(self._cuda_target)
         try:
-            received = sum(view.nbytes for v in incoming.values() for view, _ in v)
+            received = sum([view.nbytes for v in incoming.values() for view, _ in v])
             if received >= _GC_PAUSE_BYTES:
                 with _GCPause():
                     self._load_all(op, seq, incoming, packed, results)
@@ -1548,8 +1549,9 @@ class Communicator(abc.ABC):
 
         ``kind`` is how ``op``'s objects travel (see ``_ROUTE``)."""
         if kind is _BROADCAST:
-            got = self._tree_broadcast(root, slots[root], parts, timeout)
-            return ({root: got} if self.rank != root else {}), {root: bool(slots[root].header.flags & _frame.PACKED)}
+            head = slots[root]
+            got = self._tree_broadcast(root, head, parts, timeout)
+            return ({root: got} if self.rank != root else {}), {root: bool(head.header.flags & _frame.PACKED)}
         if kind is _GATHER and self.world_size > _frame.SMALL_WORLD:
             totals = _tree_gather_totals(slots, self.world_size, root, self._TREE_GATHER_BYTES)
             if totals is not None:
@@ -1728,7 +1730,7 @@ class Communicator(abc.ABC):
         if not slot.parts:
             raise FrameError(f"broadcast: rank {root} sent no parts", op="broadcast", ranks=[root])
         entries = slot.parts[0]
-        total = sum(n for n, inline in entries if inline is None)
+        total = slot.later if len(slot.parts) == 1 else sum(n for n, inline in entries if inline is None)
         me = self.rank
         if me == root:
             later = [_byte_tensor(parts[0][i]) for i, (_, inline) in enumerate(entries) if inline is None]
@@ -1747,9 +1749,16 @@ class Communicator(abc.ABC):
             return [(inline, True) if inline is not None else (_mv(next(it)), False) for _, inline in entries]
         if not total:
             return [(inline, True) for _, inline in entries if inline is not None]
-        buf = torch.empty(total, dtype=torch.uint8)  # one buffer for the segments that follow the slot
+        # one buffer for the segments that follow the slot; a pickle stream alone (no out-of-band
+        # buffers, which need torch's aligned memory) in a bytearray, which is cheaper to make and view
+        if len(entries) == 1:
+            mem = bytearray(total)
+            buf, view = torch.frombuffer(mem, dtype=torch.uint8), memoryview(mem)
+        else:
+            buf = torch.empty(total, dtype=torch.uint8)
+            view = _mv(buf)
         self._broadcast_buffer(buf, root, timeout)
-        view, pos, segs = _mv(buf), 0, []
+        pos, segs = 0, []
         for n, inline in entries:
             if inline is not None:
                 segs.append((inline, True))

@@ -110,7 +110,7 @@ def encode(
     Raises:
         ValueError: the table doesn't fit in ``slot_size`` (the caller packs and retries).
     """
-    return _encode(op, seq, root, digest, parts, slot_size, flags, None)
+    return _encode(op, seq, root, digest, parts, slot_size, flags, None)[0]
 
 
 def encode_slot(
@@ -126,23 +126,27 @@ def encode_slot(
     """``encode``, and the slot as ``decode`` reads it back (inline segments: views of the bytes),
     without decoding: what a rank knows of its own slot."""
     table: list[list[tuple[int, memoryview | None]]] = []
-    out = _encode(op, seq, root, digest, parts, slot_size, flags, table)
-    later = [n for part in table for n, inline in part if inline is None]
-    total = sum(n for part in table for n, _ in part)
-    return out, Slot(Header(OK, int(op), flags, seq, root, digest, total), table, "", sum(later), len(later))
+    out, total, later, later_segs = _encode(op, seq, root, digest, parts, slot_size, flags, table)
+    return out, Slot(Header(OK, int(op), flags, seq, root, digest, total), table, "", later, later_segs)
 
 
 def _encode(op: int, seq: int, root: int, digest: int, parts: Sequence[Sequence[memoryview]], slot_size: int,
-            flags: int, table: list[list[tuple[int, memoryview | None]]] | None) -> bytearray:
-    """``encode``; with ``table``, each part's entries appended to it as ``decode`` gives them."""
+            flags: int, table: list[list[tuple[int, memoryview | None]]] | None) -> tuple[bytearray, int, int, int]:
+    """``encode``, with the slot's total and the bytes and count of its segments that travel
+    later; with ``table``, each part's entries appended to it as ``decode`` gives them."""
+    if not parts:  # a header alone (a broadcast's or scatter's receivers, a barrier)
+        if HEADER_SIZE > slot_size:
+            raise ValueError(f"segment table needs {HEADER_SIZE} bytes, slot holds {slot_size}")
+        out = bytearray(slot_size)
+        HEADER.pack_into(out, 0, MAGIC, VERSION, OK, op, flags, seq, root, 0, 0, digest, 0)
+        return out, 0, 0, 0
     lengths = [len(p) for p in parts]
     head = table_size(lengths)
     if head > slot_size:
         raise ValueError(f"segment table needs {head} bytes, slot holds {slot_size}")
     out = bytearray(slot_size)
     view = memoryview(out) if table is not None else None
-    total = 0
-    nsegs = 0
+    total = nsegs = later = later_segs = 0
     pos = HEADER_SIZE
     for p in parts:
         _U32.pack_into(out, pos, len(p))
@@ -160,6 +164,8 @@ def _encode(op: int, seq: int, root: int, digest: int, parts: Sequence[Sequence[
                 out[data : data + n] = flat(seg)
             else:
                 _I64.pack_into(out, pos, n)
+                later += n
+                later_segs += 1
             if view is not None:
                 entries.append((n, view[data : data + n] if inline else None))
             if inline:
@@ -168,7 +174,7 @@ def _encode(op: int, seq: int, root: int, digest: int, parts: Sequence[Sequence[
         if table is not None:
             table.append(entries)
     HEADER.pack_into(out, 0, MAGIC, VERSION, OK, op, flags, seq, root, len(lengths), nsegs, digest, total)
-    return out
+    return out, total, later, later_segs
 
 
 def encode_later(op: int, seq: int, root: int, digest: int, nbytes: int, slot_size: int) -> bytearray:
@@ -312,18 +318,20 @@ def agreed(raw: memoryview | bytes | bytearray, count: int, slot_size: int, mine
         return False
     if cap is not None and cap >= 2**63 - 1:  # no total is over it (and numpy's uint64 can't hold every int)
         cap = None
+    key = w0 & ~_FLAGS_BYTE
+    room = slot_size - HEADER_SIZE
+    unpack = _AGREE.unpack_from
     if common is not None and len(common) == slot_size and (
             (alike[1] == common and alike[0] in (-1, odd)) if alike is not None
             else count > _UNIFORM_MIN and _uniform(raw, count, slot_size, common, odd)):
-        return agreed(common, 1, slot_size, mine, digests=digests, cap=cap) and (
-            odd < 0 or agreed(memoryview(raw)[odd * slot_size : (odd + 1) * slot_size], 1, slot_size, mine,
-                              digests=digests, cap=cap))
-    key = w0 & ~_FLAGS_BYTE
-    room = slot_size - HEADER_SIZE
-    if count <= _PY_AGREE_MAX or slot_size % 8:
-        unpack = _AGREE.unpack_from
-        for i in range(count):
-            a, s, r, nparts, nsegs, d, total = unpack(raw, i * slot_size)
+        # every slot is ``common`` but slot ``odd``: those two are read (each as one slot of the loop below)
+        heads = [unpack(common, 0)] + ([] if odd < 0 else [unpack(raw, odd * slot_size)])
+    elif count <= _PY_AGREE_MAX or slot_size % 8:
+        heads = [unpack(raw, i * slot_size) for i in range(count)]
+    else:
+        heads = None
+    if heads is not None:
+        for a, s, r, nparts, nsegs, d, total in heads:
             if (a & ~_FLAGS_BYTE != key or s != seq or r != root or total < 0 or 4 * nparts + 8 * nsegs > room
                     or (digests and d != digest) or (cap is not None and total > cap)):
                 return False

@@ -107,41 +107,44 @@ if hasattr(os, "register_at_fork"):  # a forked child has none of the parent's t
 _I64 = struct.Struct("<q")
 
 
-def _summarize(table: memoryview, world: int, size: int, out: memoryview) -> int:
+def _summarize(table: bytes | bytearray | memoryview, world: int, size: int, out: memoryview) -> int:
     """Write into ``out`` (8 + 2 * size bytes) the short form of a table of ``world`` slots when all
     but at most one are alike: the odd rank + 1 (0: none), the common slot, the odd slot; else -1.
     Returns the odd rank (-1: none; -2: the slots differ more).
 
-    In bytes comparisons (memcmp): one for a table with no odd slot, two with slot 0 odd (a
-    broadcast from rank 0), a binary search of log2(world) prefixes for another odd slot."""
-    data = bytes(table[: world * size])
-    common = data[:size]
-    zero_odd = world >= 3 and not (data.startswith(common, size) or data.startswith(common, 2 * size))
-    if zero_odd:
-        common = data[size : 2 * size]  # slot 0 is the odd one, if any is
-    whole = common * world
-    rep = memoryview(whole)
-    odd = -1
-    if data != whole:
-        if data.startswith(rep[size:], size):
-            odd = 0
-        elif zero_odd:
-            odd = -2
-        else:  # the first slot that differs, then whether every slot after it is alike
+    In bytes comparisons (memcmp) of the table against itself shifted by one slot, with nothing
+    allocated but one copy of the table: slots a..b-1 are alike when the bytes of slots a..b-2
+    equal those of slots a+1..b-1. One comparison for a table with no odd slot, two with slot 0
+    odd (a broadcast from rank 0), a binary search of log2(world) prefixes for another odd slot.
+    A ``bytes`` or ``bytearray`` table of exactly ``world`` slots is read in place; a memoryview is copied."""
+    data = table if isinstance(table, (bytes, bytearray)) and len(table) == world * size else \
+        bytes(table[: world * size])
+    rows = memoryview(data)
+
+    def alike(a: int, b: int) -> bool:  # slots a..b-1 are all the same
+        return b - a <= 1 or data.startswith(rows[(a + 1) * size : b * size], a * size)
+
+    odd, common = -1, 0
+    if not alike(0, world):
+        if world >= 3 and alike(1, world):
+            odd, common = 0, 1
+        else:  # the first slot unlike slot 0, then whether every slot after it is slot 0 again
             lo, hi = 1, world - 1
             while lo < hi:
                 mid = (lo + hi) // 2
-                if data.startswith(rep[: (mid + 1) * size]):
+                if alike(0, mid + 1):
                     lo = mid + 1
                 else:
                     hi = mid
-            odd = lo if data.startswith(rep[(lo + 1) * size :], (lo + 1) * size) else -2
+            rest = lo + 1
+            back = rest == world or (alike(rest, world) and data.startswith(rows[:size], rest * size))
+            odd = lo if back else -2
     _I64.pack_into(out, 0, odd + 1 if odd >= -1 else -1)
     if odd == -2:
         return odd
-    out[8 : 8 + size] = common
+    out[8 : 8 + size] = rows[common * size : (common + 1) * size]
     if odd >= 0:
-        out[8 + size : 8 + 2 * size] = data[odd * size : (odd + 1) * size]
+        out[8 + size : 8 + 2 * size] = rows[odd * size : (odd + 1) * size]
     return odd
 
 
@@ -549,7 +552,10 @@ class _TorchCommunicator(Communicator):
         one that leads a block of several, four (six). With one block (set-up, small worlds) it is a
         gather and a broadcast."""
         world, me, blocks, block = self._world, self._rank, self._blocks, self._block
-        out = torch.empty(world * size, dtype=torch.uint8)
+        # rank 0's table is a bytearray: its summary compares it as bytes, in place (no copy)
+        table = bytearray(world * size) if me == 0 else None
+        out = torch.empty(world * size, dtype=torch.uint8) if table is None else \
+            torch.frombuffer(table, dtype=torch.uint8)
         view = memoryview(out.numpy())  # type: ignore[arg-type]
         view[me * size : (me + 1) * size] = slot
         mine = out[me * size : (me + 1) * size]
@@ -583,7 +589,7 @@ class _TorchCommunicator(Communicator):
         summary = torch.zeros(8 + 2 * size, dtype=torch.uint8)  # odd rank + 1 (0: none; -1: the table follows)
         sview = memoryview(summary.numpy())  # type: ignore[arg-type]
         if me == 0:
-            _summarize(view, world, size, sview)
+            _summarize(table if table is not None else view, world, size, sview)
         self._headers_down(summary, leaders, timeout)
         odd = _I64.unpack_from(sview, 0)[0] - 1
         # what the summary says of the table, for the pipeline's agreement (``_frame.agreed``)
