@@ -1527,16 +1527,17 @@ class Communicator(abc.ABC):
             results[self.rank] = obj[self.rank] if self.rank == root else None
         elif kind is not _BROADCAST or self.rank == root:
             results[self.rank] = obj
-        token = _CUDA_TARGET.set(self._cuda_target)
-        try:
-            received = sum([view.nbytes for v in incoming.values() for view, _ in v])
-            if received >= _GC_PAUSE_BYTES:
-                with _GCPause():
+        if incoming:  # a broadcast's or scatter's root loads nothing
+            token = _CUDA_TARGET.set(self._cuda_target)
+            try:
+                received = sum([view.nbytes for v in incoming.values() for view, _ in v])
+                if received >= _GC_PAUSE_BYTES:
+                    with _GCPause():
+                        self._load_all(op, seq, incoming, packed, results)
+                else:
                     self._load_all(op, seq, incoming, packed, results)
-            else:
-                self._load_all(op, seq, incoming, packed, results)
-        finally:
-            _CUDA_TARGET.reset(token)
+            finally:
+                _CUDA_TARGET.reset(token)
         st.deserialize_s += time.perf_counter() - t2
         return results
 

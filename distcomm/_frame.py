@@ -63,6 +63,8 @@ PACKED = 1
 
 _U32 = struct.Struct("<I")
 _I64 = struct.Struct("<q")
+_ONE_SEG = struct.Struct("<Iq")  # the table of one part of one segment
+_ONE_SEG_DATA = HEADER_SIZE + _ONE_SEG.size
 
 
 class Header(NamedTuple):
@@ -225,6 +227,18 @@ def decode(buf: memoryview | bytes | bytearray) -> Slot:
         return Slot(header, [], msg, total - here)
     if HEADER_SIZE + 4 * nparts + 8 * nsegs > n:
         raise FrameError(f"segment table ({nparts} parts, {nsegs} segments) runs past the slot")
+    if nparts == 1 and nsegs == 1:  # the common slot: one object in one segment (a pickle stream)
+        count, e = _ONE_SEG.unpack_from(mv, HEADER_SIZE)
+        if count != 1:
+            raise FrameError(f"part counts add up to {count}, header says 1 segments")
+        size = e if e >= 0 else -e - 1
+        if e < 0 and _ONE_SEG_DATA + size > n:
+            raise FrameError("inline segment runs past the end of the slot")
+        if size != total:
+            raise FrameError(f"segments add up to {size} bytes, header says {total}")
+        if e >= 0:
+            return Slot(header, [[(e, None)]], "", e, 1)
+        return Slot(header, [[(size, mv[_ONE_SEG_DATA : _ONE_SEG_DATA + size])]], "", 0, 0)
     table = _table_struct(nparts, nsegs).unpack_from(mv, HEADER_SIZE)
     counts, entries = table[:nparts], table[nparts:]
     if sum(counts) != nsegs:

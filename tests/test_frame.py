@@ -130,6 +130,29 @@ def test_specific_errors() -> None:
     assert _frame.decode(msg).message.startswith("é")
 
 
+@pytest.mark.parametrize("nparts, nsegs", [(1, 1), (2, 1), (1, 2)])  # (1, 1) is decode's short path
+def test_one_segment_errors_read_as_the_general_ones(nparts: int, nsegs: int) -> None:
+    """The table of one part of one segment, decoded on its own short path, fails as any other."""
+    def slot(count: int, entry: int, total: int) -> bytes:
+        head = _frame.HEADER.pack(_frame.MAGIC, _frame.VERSION, 0, 5, 0, 1, 0, nparts, nsegs, 0, total)
+        table = struct.pack(f"<{nparts}I", count, *([0] * (nparts - 1)))
+        table += struct.pack(f"<{nsegs}q", entry, *([-1] * (nsegs - 1)))
+        return (head + table).ljust(128, b"\0")
+    with pytest.raises(FrameError, match=f"part counts add up to 3, header says {nsegs} segments"):
+        _frame.decode(slot(3, 10, 10))
+    if nparts == nsegs:
+        with pytest.raises(FrameError, match="inline segment runs past the end of the slot"):
+            _frame.decode(slot(1, -1000, 999))
+        with pytest.raises(FrameError, match="segments add up to 10 bytes, header says 11"):
+            _frame.decode(slot(1, 10, 11))
+        with pytest.raises(FrameError, match="segments add up to 4 bytes, header says 11"):
+            _frame.decode(slot(1, -5, 11))
+        got = _frame.decode(slot(1, -5, 4))
+        assert got.parts == [[(4, memoryview(bytes(4)))]] and (got.later, got.later_segs) == (0, 0)
+        got = _frame.decode(slot(1, 10, 10))
+        assert got.parts == [[(10, None)]] and (got.later, got.later_segs) == (10, 1)
+
+
 def _full_check_passes(raw: bytes, count: int, size: int, mine: bytes, digests: bool, cap: int | None) -> bool:
     """What ``_Communicator._agree`` accepts after ``headers``: the slow path ``agreed`` stands for."""
     try:
