@@ -1751,8 +1751,10 @@ class Communicator(abc.ABC):
         if not total:
             return [(inline, True) for _, inline in entries if inline is not None]
         # one buffer for the segments that follow the slot; a pickle stream alone (no out-of-band
-        # buffers, which need torch's aligned memory) in a bytearray, which is cheaper to make and view
-        if len(entries) == 1:
+        # buffers, which land in torch's aligned memory; a packed segment holds them) in a bytearray,
+        # which is cheaper to make and view. ``view`` exports it for as long as a segment lives, so
+        # nothing can resize it under the tensor (torch.frombuffer holds a reference, not an export).
+        if len(entries) == 1 and not slot.header.flags & _frame.PACKED:
             mem = bytearray(total)
             buf, view = torch.frombuffer(mem, dtype=torch.uint8), memoryview(mem)
         else:

@@ -119,6 +119,8 @@ def _summarize(table: bytes | bytearray | memoryview, world: int, size: int, out
     A ``bytes`` or ``bytearray`` table of exactly ``world`` slots is read in place; a memoryview is copied."""
     data = table if isinstance(table, (bytes, bytearray)) and len(table) == world * size else \
         bytes(table[: world * size])
+    if len(data) != world * size:
+        raise ValueError(f"a table of {world} slots of {size} bytes needs {world * size} bytes, got {len(data)}")
     rows = memoryview(data)
 
     def alike(a: int, b: int) -> bool:  # slots a..b-1 are all the same
@@ -552,7 +554,9 @@ class _TorchCommunicator(Communicator):
         one that leads a block of several, four (six). With one block (set-up, small worlds) it is a
         gather and a broadcast."""
         world, me, blocks, block = self._world, self._rank, self._blocks, self._block
-        # rank 0's table is a bytearray: its summary compares it as bytes, in place (no copy)
+        # rank 0's table is a bytearray: its summary compares it as bytes, in place (no copy). It is
+        # local, never resized (torch.frombuffer holds a reference to it, not an export), and what
+        # leaves this method is a view of the tensor.
         table = bytearray(world * size) if me == 0 else None
         out = torch.empty(world * size, dtype=torch.uint8) if table is None else \
             torch.frombuffer(table, dtype=torch.uint8)

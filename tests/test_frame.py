@@ -300,8 +300,11 @@ def test_summary_is_the_one_odd_slot_or_none(count: int, odd: list[int], word: b
     out = memoryview(bytearray(8 + 2 * size))
     k = _summarize(memoryview(b"".join(rows)), count, size, out)
     word0 = struct.unpack_from("<q", out)[0]
-    in_place = memoryview(bytearray(8 + 2 * size))  # rank 0's table, a bytearray, is read without a copy
-    assert _summarize(bytearray(b"".join(rows)), count, size, in_place) == k and bytes(in_place) == bytes(out)
+    for whole in (bytearray(b"".join(rows)), b"".join(rows)):  # rank 0's table, read without a copy
+        in_place = memoryview(bytearray(8 + 2 * size))
+        assert _summarize(whole, count, size, in_place) == k and bytes(in_place) == bytes(out)
+    with pytest.raises(ValueError, match="needs"):
+        _summarize(b"".join(rows)[:-1], count, size, out)
     differ = sorted({r for r in odd if r < count}) if count >= 3 else []
     if (count >= 3 and len(differ) <= 1) or (count <= 2 and len(set(rows)) <= 1):
         assert k == (differ[0] if differ else -1) and word0 == k + 1

@@ -475,3 +475,20 @@ def test_max_bytes_caps_payloads_not_the_checks_own_words() -> None:
         return float(x.sum()), float(d["a"]) if comm.rank == 0 else 0.0, outcome
 
     assert run_threaded(fn, 2, timeout=60, max_bytes=4) == [(4.0, 2.0, "refused"), (4.0, 0.0, "refused")]
+
+
+@pytest.mark.parametrize("arrays", [0, 1, 3])  # a lone pickle stream; stream and one buffer; packed (3 don't fit)
+def test_small_broadcast_beyond_small_worlds_lands_aligned(arrays: int) -> None:
+    """A broadcast in a world over 4 ranks whose bytes after the 64-byte slot fit one buffer: a
+    lone pickle stream is received into a bytearray, out-of-band buffers (one, or several packed
+    into one segment) into torch's aligned memory, each starting at a multiple of 64 bytes."""
+    def fn(comm: distcomm.Communicator) -> Any:
+        obj = {"text": "y" * 300, **{f"a{i}": np.arange(40 + i, dtype=np.float64) * (i + 1) for i in range(arrays)}}
+        got = comm.broadcast(obj if comm.rank == 2 else None, src=2)
+        return got["text"], [(float(got[f"a{i}"].sum()), got[f"a{i}"].ctypes.data % 64) for i in range(arrays)]
+
+    want = [(float(np.arange(40 + i).sum() * (i + 1)), 0) for i in range(arrays)]
+    for rank, (text, rows) in enumerate(run_threaded(fn, 6, timeout=60,
+                                                     serializer=distcomm.PickleSerializer(oob_threshold=64))):
+        assert text == "y" * 300
+        assert rows == (want if rank != 2 else [(w, rows[i][1]) for i, (w, _) in enumerate(want)])
