@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -290,6 +291,9 @@ def interrupted(path: str, how: str) -> Any:
             return None
         if comm.rank != 0:  # the others wait with rank 0 (in the header exchange)
             return outcome(lambda: comm.all_gather(0, timeout=60))[0]
+        # Ctrl-C as a terminal delivers it, even when pytest runs as a shell's background job (which
+        # starts its processes with SIGINT ignored)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         with open(path, "w") as f:
             f.write(str(os.getpid()))
         try:
