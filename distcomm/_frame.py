@@ -316,7 +316,7 @@ def agreed(raw: memoryview | bytes | bytearray, count: int, slot_size: int, mine
     ``common``: the slot every rank but ``odd`` (-1: every rank) sends when all goes well, where
     the caller knows it (a broadcast's non-roots, scatter, a barrier). Beyond ``_UNIFORM_MIN``
     slots, those are then compared as bytes, in C, and only ``common`` and slot ``odd`` are read
-    field by field: a 1,024-rank broadcast checks its 64 KiB of slots in about 10 microseconds.
+    field by field: a 1,024-rank broadcast checks its 64 KiB of slots in about 4 microseconds.
     Slots that differ from ``common`` fall back to the field-by-field check.
 
     ``alike``: what the exchange that brought the slots already knows of them, (k, c): every slot
