@@ -1892,8 +1892,9 @@ class Communicator(abc.ABC):
 
     def _load_all(self, op: Op, seq: int, incoming: dict[int, list[_Seg]],
                   packed: dict[int, bool], results: list[Any]) -> None:
+        scatter = _ROUTE[op] is _SCATTER
         for src, segs in incoming.items():
-            results[self.rank if _ROUTE[op] is _SCATTER else src] = self._load(op, seq, src, segs, packed[src])
+            results[self.rank if scatter else src] = self._load(op, seq, src, segs, packed[src])
 
     def _load(self, op: Op, seq: int, src: int, segs: list[_Seg], packed: bool) -> Any:
         """Deserialize one rank's segments (inline views or received tensors)."""
@@ -1905,6 +1906,8 @@ class Communicator(abc.ABC):
             inline = segs[0][1]
             views = _frame.unpack(segs[0][0])
             views[1:] = [_owned_copy(v) if inline or not _is_aligned(v) else v for v in views[1:]]
+        elif len(segs) == 1:  # a pickle stream alone
+            views = [segs[0][0]]
         else:
             views = [segs[0][0]] + [_owned_copy(v) if inline or not _is_aligned(v) else v for v, inline in segs[1:]]
         try:
