@@ -1641,7 +1641,9 @@ class Communicator(abc.ABC):
         slot's, announced by nothing) when no size over it qualifies."""
         if self.world_size <= _frame.SMALL_WORLD:
             return size
-        cap = self._scatter_slot_cap() if self.max_bytes is None else min(self._scatter_slot_cap(), self.max_bytes)
+        cap = self._scatter_slot_cap()
+        if self.max_bytes is not None:
+            cap = min(cap, self.max_bytes)
         table = _frame.table_size([1])
         needs = []
         for r, p in enumerate(parts):

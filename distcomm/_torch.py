@@ -112,11 +112,11 @@ def _summarize(table: bytes | bytearray | memoryview, world: int, size: int, out
     but at most one are alike: the odd rank + 1 (0: none), the common slot, the odd slot; else -1.
     Returns the odd rank (-1: none; -2: the slots differ more).
 
-    In bytes comparisons (memcmp) of the table against itself shifted by one slot, with nothing
-    allocated but one copy of the table: slots a..b-1 are alike when the bytes of slots a..b-2
-    equal those of slots a+1..b-1. One comparison for a table with no odd slot, two with slot 0
-    odd (a broadcast from rank 0), a binary search of log2(world) prefixes for another odd slot.
-    A ``bytes`` or ``bytearray`` table of exactly ``world`` slots is read in place; a memoryview is copied."""
+    In bytes comparisons (memcmp) of the table against itself shifted by one slot: slots a..b-1
+    are alike when the bytes of slots a..b-2 equal those of slots a+1..b-1. One comparison for a
+    table with no odd slot, two with slot 0 odd (a broadcast from rank 0), a binary search of
+    log2(world) prefixes for another odd slot. A ``bytes`` or ``bytearray`` table of exactly
+    ``world`` slots is read in place, with nothing allocated; anything else is copied once."""
     data = table if isinstance(table, (bytes, bytearray)) and len(table) == world * size else \
         bytes(table[: world * size])
     if len(data) != world * size:
@@ -592,8 +592,8 @@ class _TorchCommunicator(Communicator):
                     rows[b] = got[i, : len(b)]
         summary = torch.zeros(8 + 2 * size, dtype=torch.uint8)  # odd rank + 1 (0: none; -1: the table follows)
         sview = memoryview(summary.numpy())  # type: ignore[arg-type]
-        if me == 0:
-            _summarize(table if table is not None else view, world, size, sview)
+        if table is not None:  # rank 0
+            _summarize(table, world, size, sview)
         self._headers_down(summary, leaders, timeout)
         odd = _I64.unpack_from(sview, 0)[0] - 1
         # what the summary says of the table, for the pipeline's agreement (``_frame.agreed``)
