@@ -1490,14 +1490,15 @@ class Communicator(abc.ABC):
         slots = _Slots(raw, size, self.rank, mine)
         # max_bytes caps serialized payloads (set-up precedes agreement on it; inline words aren't payloads)
         cap = self.max_bytes if serialize and op is not _SETUP else None
-        # the common case in a few comparisons; anything else goes through the full check, which names it
-        # the slot every rank but ``odd`` sends when all is well, where it is known: compared as bytes
+        # the common case in a few comparisons; anything else goes through the full check, which names it.
+        # Where the exchange didn't say which slots are alike (``alike``): the slot every rank but ``odd``
+        # sends when all is well, where it is known, to compare the slots with as bytes
         common: bytes | bytearray | None = None
         odd = -1
-        if (kind is _BROADCAST or kind is _SCATTER) and status == _frame.OK:
+        if alike is None and (kind is _BROADCAST or kind is _SCATTER) and status == _frame.OK:
             common = slot if self.rank != root else _frame.encode(op, seq, root, digest, [], size)
             odd = root
-        elif not serialize and inline is None:
+        elif alike is None and not serialize and inline is None:
             common = slot
         if not _frame.agreed(raw, self.world_size, size, slot, digests=on_digest_mismatch is not None, cap=cap,
                              common=common, odd=odd, alike=alike):

@@ -320,8 +320,8 @@ def agreed(raw: memoryview | bytes | bytearray, count: int, slot_size: int, mine
     Slots that differ from ``common`` fall back to the field-by-field check.
 
     ``alike``: what the exchange that brought the slots already knows of them, (k, c): every slot
-    but slot k (-1: none) is c, byte for byte (the gloo header exchange's summary). The byte
-    comparison is then two small ones, at any count.
+    but slot k (-1: none) is c, byte for byte (the gloo header exchange's summary). Only c and slot
+    k are then read, at any count, and ``common`` isn't needed.
 
     The answer is the same on every rank (they all hold the same slots, and when every slot
     matches this rank's, every rank's matches its own). False sends the caller to the full check
@@ -335,10 +335,12 @@ def agreed(raw: memoryview | bytes | bytearray, count: int, slot_size: int, mine
     key = w0 & ~_FLAGS_BYTE
     room = slot_size - HEADER_SIZE
     unpack = _AGREE.unpack_from
-    if common is not None and len(common) == slot_size and (
-            (alike[1] == common and alike[0] in (-1, odd)) if alike is not None
-            else count > _UNIFORM_MIN and _uniform(raw, count, slot_size, common, odd)):
-        # every slot is ``common`` but slot ``odd``: those two are read (each as one slot of the loop below)
+    if alike is not None and len(alike[1]) == slot_size and -1 <= alike[0] < count:
+        # every slot is alike[1] but slot alike[0]: those two are read (each as one slot of the loop below)
+        heads = [unpack(alike[1], 0)] + ([] if alike[0] < 0 else [unpack(raw, alike[0] * slot_size)])
+    elif alike is None and common is not None and len(common) == slot_size and count > _UNIFORM_MIN \
+            and _uniform(raw, count, slot_size, common, odd):
+        # every slot is ``common`` but slot ``odd``: those two are read
         heads = [unpack(common, 0)] + ([] if odd < 0 else [unpack(raw, odd * slot_size)])
     elif count <= _PY_AGREE_MAX or slot_size % 8:
         heads = [unpack(raw, i * slot_size) for i in range(count)]

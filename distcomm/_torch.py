@@ -15,7 +15,6 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar, Literal, NoReturn
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -148,6 +147,16 @@ def _summarize(table: bytes | bytearray | memoryview, world: int, size: int, out
     if odd >= 0:
         out[8 + size : 8 + 2 * size] = rows[odd * size : (odd + 1) * size]
     return odd
+
+
+def _expand(summary: memoryview, world: int, size: int) -> memoryview:
+    """The table of ``world`` slots that a summary (``_summarize``'s, not -1) stands for: the common
+    slot repeated, the odd one in its place. One allocation, filled by repeated memcpy."""
+    odd = _I64.unpack_from(summary, 0)[0] - 1
+    table = bytearray(summary[8 : 8 + size]) * world
+    if odd >= 0:
+        table[odd * size : (odd + 1) * size] = summary[8 + size : 8 + 2 * size]
+    return memoryview(table)
 
 
 _MACHINE_BLOCK_MAX = 64
@@ -600,11 +609,8 @@ class _TorchCommunicator(Communicator):
         alike = None if odd == -2 else (odd, bytes(sview[8 : 8 + size]))
         if odd == -2:
             self._headers_down(out, leaders, timeout)
-        elif me != 0:
-            rows = out.numpy().reshape(world, size)
-            rows[:] = np.frombuffer(sview, dtype=np.uint8, count=size, offset=8)
-            if odd >= 0:
-                rows[odd] = np.frombuffer(sview, dtype=np.uint8, count=size, offset=8 + size)
+        elif me != 0:  # the table the summary stands for (this rank's own slot is in it, as rank 0 got it)
+            return _expand(sview, world, size), alike
         return view, alike
 
     def _headers_down(self, buf: torch.Tensor, leaders: Any, timeout: float | None) -> None:

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from distcomm import FrameError, _frame
-from distcomm._torch import _summarize
+from distcomm._torch import _expand, _summarize
 
 segments = st.lists(st.lists(st.binary(max_size=300), max_size=4), max_size=4)
 
@@ -283,8 +283,12 @@ def test_agreed_with_a_common_slot_is_the_same_check(count: int, odd: int, lengt
     summary = memoryview(bytearray(8 + 2 * size))
     k = _summarize(memoryview(raw), count, size, summary)
     if k != -2:
+        alike = (k, bytes(summary[8 : 8 + size]))
         assert _frame.agreed(raw, count, size, bytes(slots[me]), digests=digests, cap=cap, common=common, odd=odd,
-                             alike=(k, bytes(summary[8 : 8 + size]))) == got
+                             alike=alike) == got
+        # a rank other than 0 holds the table the summary stands for, and its agreement needs no common slot
+        assert bytes(_expand(summary, count, size)) == raw
+        assert _frame.agreed(raw, count, size, bytes(slots[me]), digests=digests, cap=cap, alike=alike) == got
 
 
 @given(count=st.integers(1, 40), odd=st.lists(st.integers(0, 39), max_size=3), word=st.booleans())
@@ -308,6 +312,7 @@ def test_summary_is_the_one_odd_slot_or_none(count: int, odd: list[int], word: b
     differ = sorted({r for r in odd if r < count}) if count >= 3 else []
     if (count >= 3 and len(differ) <= 1) or (count <= 2 and len(set(rows)) <= 1):
         assert k == (differ[0] if differ else -1) and word0 == k + 1
+        assert bytes(_expand(out, count, size)) == b"".join(rows)
         assert bytes(out[8 : 8 + size]) == (bytes([7]) * size if count >= 3 else rows[0])
         if differ:
             assert bytes(out[8 + size :]) == rows[differ[0]]
