@@ -11,27 +11,28 @@ process group, which runs their Python and hallucinates the transfers; its copie
 into the gathered tensor are transport work that this measurement leaves in torch's figure.
 
 Each figure is the largest of the root's, a leaf's (rank 1) and a rank's inside the trees (world
-// 2) (torch's: the root's and rank 1's). Each rank's is the least of three medians (``--rounds``),
-taken in rounds that alternate distcomm and torch, each over as many calls as fill about 50 ms: a
-burst of load on this shared machine then shows in one round, not in the figure.
+// 2) (torch's: the root's and rank 1's); the last column compares the roots, and the other ranks
+(distcomm's larger of rank 1 and world // 2 against torch's rank 1). Each rank's is the least of
+three medians (``--rounds``), taken in rounds that alternate distcomm and torch, each over as many
+calls as fill about 50 ms: a burst of load on this shared machine then shows in one round, not in
+the figure.
 
 The transport's posts are left out of that figure, on both sides, and they are not free: each
 point-to-point message a rank posts and waits for costs it tens of microseconds of CPU in gloo,
 as does each native collective call. So the table also counts distcomm's posts (point to point,
 and native calls such as gloo's all-to-all and broadcast), measures both costs on a 2-rank gloo
 group before the run, and adds them: distcomm's posts at those costs, and torch's native calls
-(two per object collective, three for scatter_object_list) at the native cost. The header
-exchange counts as gloo runs it with the ranks on machines of 8 (one machine up to 8 ranks):
-its native gathers and broadcasts in each rank's block and, for a block's first rank, among those
-(``header_calls``); rank 0's summary of the slots, and the others' table made from it, count as
-their own Python.
+(two per object collective, three for scatter_object_list) at the native cost. Beyond 4 ranks
+the header exchange runs the gloo communicator's own code, with the ranks on machines of 8 (one
+machine up to 8 ranks) and its native gathers and broadcasts stubbed (``HeaderExchange``): its
+Python (rank 0's table and summary, the others' table from the summary) counts as the rank's, and
+its native calls are counted.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import statistics
 import time
 from collections import deque
@@ -43,7 +44,8 @@ import torch
 import torch.distributed as dist
 
 from distcomm import Communicator, _frame
-from distcomm._torch import _expand, _header_blocks, _summarize
+from distcomm._communicator import OpStats
+from distcomm._torch import _header_blocks, _summarize
 from distcomm.testing import FakeCommunicator
 
 MiB = 1 << 20
@@ -57,15 +59,80 @@ def payload(name: str, rank: int) -> Any:
     return np.full(MiB // 8, float(rank))
 
 
-@functools.lru_cache(maxsize=64)
-def header_calls(world: int, rank: int, table: bool) -> int:
-    """The native calls of gloo's header exchange on ``rank`` (see ``_gather_headers``), with the
-    ranks on machines of 8: a gather and a broadcast (two with the table) in its block, and as many
-    among the blocks' first ranks when it is one."""
-    blocks = _header_blocks(world, [list(range(m, min(m + 8, world))) for m in range(0, world, 8)])
-    block = next(b for b in blocks if rank in b)
-    level = 2 + table  # a gather, the summary's broadcast, the table's
-    return (level if len(block) > 1 else 0) + (level if block[0] == rank and len(blocks) > 1 else 0)
+class _StubGroup:
+    """Stands for one of the header exchange's gloo groups: posting a gather or a broadcast returns
+    what to land, which ``HeaderExchange`` does from the table it is given."""
+
+    def __init__(self, ranks: list[int]) -> None:
+        self.ranks = ranks
+
+    def gather(self, outs: list[list[torch.Tensor]], ins: list[torch.Tensor], opts: Any) -> Any:
+        return ("gather", self.ranks, outs)
+
+    def broadcast(self, bufs: list[torch.Tensor], opts: Any) -> Any:
+        return ("broadcast", self.ranks, bufs)
+
+
+class HeaderExchange:
+    """The gloo communicator's header exchange (``_gather_headers``), its real code on one rank of a
+    world on machines of 8 (one machine up to 8 ranks), with the native calls stubbed: each lands
+    what gloo would from the whole table, and that landing is the transport's time. So the
+    exchange's own Python (buffers, views, rank 0's table and summary, the others' table from it)
+    counts as the rank's, and its native calls are counted."""
+
+    def __init__(self, world: int, rank: int) -> None:
+        from distcomm import GlooCommunicator
+
+        c: Any = object.__new__(GlooCommunicator)
+        c._world, c._rank, c._opts_made, c._cur = world, rank, {}, OpStats()
+        c._obj_group = c._local_group = _StubGroup(list(range(world)))
+        c._new_group = lambda ranks, backend: _StubGroup(ranks)
+        c._native = self._native
+        c._set_header_blocks(_header_blocks(world, [list(range(m, min(m + 8, world))) for m in range(0, world, 8)]),
+                             None)
+        self.comm, self.world, self.rank = c, world, rank
+        self.table, self.size = b"", 0
+        self.transport_s, self.native = 0.0, 0
+        self._landings: dict[int, tuple[Any, Any, Any]] = {}
+
+    def _native(self, post: Callable[..., Any], args: tuple[Any, ...], timeout: float | None) -> None:
+        t0 = time.thread_time()
+        kind, ranks, outs = post(*args)
+        size, table = self.size, self.table
+        if kind == "gather" and outs:  # this rank is the root: every member's slots land, in one step
+            landing = self._landings.get(id(outs))
+            if landing is None:
+                landing = self._landings[id(outs)] = self._landing(ranks, outs[0], size)
+            into, at, rows = landing
+            into[at] = np.frombuffer(table, dtype=np.uint8).reshape(-1, size)[rows]
+        elif kind == "broadcast" and self.rank != 0:  # rank 0's summary, or its table
+            buf = outs[0].numpy()
+            if buf.size == self.world * size:
+                buf[:] = np.frombuffer(table, dtype=np.uint8)
+            else:
+                summary = memoryview(bytearray(buf.size))
+                _summarize(table, self.world, size, summary)
+                buf[:] = np.frombuffer(summary, dtype=np.uint8)
+        self.native += 1
+        self.transport_s += time.thread_time() - t0
+
+    def _landing(self, ranks: list[int], outs: list[torch.Tensor], size: int) -> tuple[Any, Any, Any]:
+        """Where a gather's slots land (rows of the buffer behind ``outs``, which the exchange
+        reuses from call to call) and which rows of the table they are."""
+        blocks = self.comm._blocks
+        up = len(blocks) > 1 and ranks == [b[0] for b in blocks]  # rank 0 gathers the blocks' tables
+        at, rows = [], []
+        for r, out in zip(ranks, outs, strict=True):
+            block = next(b for b in blocks if b[0] == r) if up else [r]
+            at += [out.storage_offset() // size + j for j in range(len(block))]
+            rows += block
+        into = torch.empty(0, dtype=torch.uint8).set_(outs[0].untyped_storage())
+        return into.numpy().reshape(-1, size), np.array(at), np.array(rows)
+
+    def __call__(self, slot: bytearray, size: int, table: bytes) -> tuple[memoryview, Any]:
+        """This rank's exchange of ``slot`` where every rank's slots are ``table``."""
+        self.table, self.size = table, size
+        return self.comm._gather_headers(slot, size, None)  # type: ignore[no-any-return]
 
 
 class SimCommunicator(FakeCommunicator):
@@ -80,6 +147,7 @@ class SimCommunicator(FakeCommunicator):
         self.native = 0  # native collectives (gloo's all-to-all, broadcast): one call each
         self._native = False
         self._tape: dict[tuple[int, int, int], tuple[bytes, dict[int, list[memoryview]]]] = {}
+        self._hx: HeaderExchange | None = None
 
     def _exchange_slots(self, slot: bytearray, size: int, timeout: float | None) -> tuple[memoryview, Any]:
         t0 = time.thread_time()
@@ -102,27 +170,20 @@ class SimCommunicator(FakeCommunicator):
                     patched = bytearray(v)
                     np.frombuffer(patched, dtype=_frame._header_dtype(v.nbytes), count=1)["seq"] = self._seq
                     q[i] = memoryview(patched)
-        world = self.world_size
-        alike = None
-        if world > 4:  # gloo's header exchange over machines of 8 (one machine up to 8 ranks)
-            summary = memoryview(bytearray(8 + 2 * size))
+        if self.world_size > 4:  # gloo's header exchange, its own code (its transport taken out)
+            hx = self._hx
+            if hx is None:
+                hx = self._hx = HeaderExchange(self.world_size, self.rank)
+            hx.transport_s, hx.native = 0.0, 0
             t1 = time.thread_time()
-            odd = _summarize(buf, world, size, summary)  # rank 0's table: a bytearray, as gloo's exchange
-            alike = None if odd == -2 else (odd, bytes(summary[8 : 8 + size]))  # as gloo's exchange
-            if self.rank == 0:  # the summary is rank 0's own work, not the transport's
-                t0 += time.thread_time() - t1
-            elif odd != -2:  # as gloo's exchange, the others make the table from the summary: their own work too
-                t1 = time.thread_time()
-                table = _expand(summary, world, size)
-                t0 += time.thread_time() - t1
-                self.native += header_calls(world, self.rank, False)
-                self.transport_s += time.thread_time() - t0
-                return table, alike
-            self.native += header_calls(world, self.rank, odd == -2)
-        else:  # gloo's all-to-all
-            self.native += 1
+            raw, alike = hx(slot, size, bytes(buf))
+            t0 += time.thread_time() - t1 - hx.transport_s  # the exchange's Python is the rank's own
+            self.native += hx.native
+            self.transport_s += time.thread_time() - t0
+            return raw, alike
+        self.native += 1  # gloo's all-to-all
         self.transport_s += time.thread_time() - t0
-        return memoryview(buf), alike
+        return memoryview(buf), None
 
     def _exchange(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]],
                   timeout: float | None) -> None:
@@ -365,8 +426,8 @@ def main() -> None:
           f"post, {native_s * 1e6:.0f} µs per native collective call\n")
     print("| payload | op | world | distcomm | torch | distcomm/torch "
           "| distcomm posts: p2p + native (costliest rank) | with posts: distcomm | with posts: torch "
-          "| with posts: distcomm/torch |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| with posts: distcomm/torch | by rank, distcomm/torch: root / others |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in args.payload or PAYLOADS:
         for op in args.op or OPS:
             for world in args.world:
@@ -375,13 +436,17 @@ def main() -> None:
                 runs = [([distcomm_time(world, r, op, name, args.reps) for r in ranks],
                          [torch_time(world, r, op, name, args.reps) for r in (0, 1)]) for _ in range(args.rounds)]
                 ours = [min((rnd[0][i] for rnd in runs), key=lambda x: x[0]) for i in range(len(ranks))]
-                theirs = max(min(ts) for ts in zip(*(rnd[1] for rnd in runs), strict=True))
+                torch_ranks = [min(ts) for ts in zip(*(rnd[1] for rnd in runs), strict=True)]  # root, rank 1
+                theirs = max(torch_ranks)
+                by_role = (f"{ours[0][0] / torch_ranks[0]:.2f} / "
+                           f"{max(t for t, _, _ in ours[1:]) / torch_ranks[1]:.2f}")
                 mine = max(t for t, _, _ in ours)
                 # the posts of the rank whose work, posts included, is the largest (what the last columns show)
                 with_ours, p2p, native = max((t + p * p2p_s + n * native_s, p, n) for t, p, n in ours)
                 with_theirs = theirs + TORCH_NATIVE[op] * native_s
                 print(f"| {name} | {op} | {world} | {ms(mine)} | {ms(theirs)} | {mine / theirs:.2f} | "
-                      f"{p2p} + {native} | {ms(with_ours)} | {ms(with_theirs)} | {with_ours / with_theirs:.2f} |",
+                      f"{p2p} + {native} | {ms(with_ours)} | {ms(with_theirs)} | {with_ours / with_theirs:.2f} "
+                      f"| {by_role} |",
                       flush=True)
 
 

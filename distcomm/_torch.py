@@ -13,8 +13,9 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any, ClassVar, Literal, NoReturn
+from typing import Any, ClassVar, Literal, NamedTuple, NoReturn
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -108,7 +109,8 @@ _I64 = struct.Struct("<q")
 
 def _summarize(table: bytes | bytearray | memoryview, world: int, size: int, out: memoryview) -> int:
     """Write into ``out`` (8 + 2 * size bytes) the short form of a table of ``world`` slots when all
-    but at most one are alike: the odd rank + 1 (0: none), the common slot, the odd slot; else -1.
+    but at most one are alike: the odd rank + 1 (0: none), the common slot, the odd slot (zeros:
+    none); else -1.
     Returns the odd rank (-1: none; -2: the slots differ more).
 
     In bytes comparisons (memcmp) of the table against itself shifted by one slot: slots a..b-1
@@ -144,8 +146,8 @@ def _summarize(table: bytes | bytearray | memoryview, world: int, size: int, out
     if odd == -2:
         return odd
     out[8 : 8 + size] = rows[common * size : (common + 1) * size]
-    if odd >= 0:
-        out[8 + size : 8 + 2 * size] = rows[odd * size : (odd + 1) * size]
+    # no odd slot: zeros (``out`` is reused from call to call, and no earlier call's slot goes out)
+    out[8 + size : 8 + 2 * size] = rows[odd * size : (odd + 1) * size] if odd >= 0 else bytes(size)
     return odd
 
 
@@ -180,6 +182,37 @@ def _header_blocks(world: int, machines: list[list[int]]) -> list[list[int]]:
     return [[0]] + [list(range(i, min(i + b, world))) for i in range(1, world, b)]
 
 
+def _table_index(blocks: list[list[int]], world: int) -> np.ndarray[Any, Any] | None:
+    """Where each rank's slot lies in the tables rank 0 gathers from the blocks' first ranks (block
+    by block, each as long as the longest block): index[r] is rank r's row. None when those tables
+    are the table itself (blocks of consecutive ranks, in order, all of one length), so they can
+    land in it as they are."""
+    per = max(len(b) for b in blocks)
+    if all(b == list(range(i * per, (i + 1) * per)) for i, b in enumerate(blocks)) and len(blocks) * per == world:
+        return None
+    index = np.empty(world, dtype=np.intp)
+    for i, b in enumerate(blocks):
+        index[b] = np.arange(i * per, i * per + len(b))
+    return index
+
+
+class _HeaderBufs(NamedTuple):
+    """One rank's buffers for the header exchange (``_TorchCommunicator._make_header_bufs``)."""
+
+    table: bytearray | None  # rank 0: the table's memory
+    out: torch.Tensor  # the table (every rank's slot, in rank order); rank 0's over ``table``
+    view: memoryview  # of ``out``
+    mine: torch.Tensor  # this rank's row of ``out``: what it sends in its block
+    held: torch.Tensor  # what it sends up to rank 0 (a block's first rank: its block's slots)
+    block_outs: list[list[torch.Tensor]]  # a block's first rank: where its block's slots land
+    take: tuple[Any, Any, Any] | None  # rank 0, where the blocks' tables aren't laid out as the table:
+    # np.take's (blocks' tables, index, the table), as numpy arrays over the buffers
+    tables_outs: list[list[torch.Tensor]]  # rank 0: where each block's table lands
+    summary: torch.Tensor
+    sview: memoryview  # of ``summary``
+
+
+@functools.lru_cache(maxsize=4096)
 def _binomial_children(m: int, v: int) -> int:
     """How many ranks gloo's binomial broadcast in a group of ``m`` has rank ``v`` (from the root)
     send to: v + 2**k for every 2**k > v."""
@@ -277,6 +310,8 @@ class _TorchCommunicator(Communicator):
         self._place = (0, self._rank)  # (this rank's block, its place in it)
         self._block_group: Any = self._obj_group
         self._leader_group: Any = None
+        self._table_index: np.ndarray[Any, Any] | None = None  # see _table_index
+        self._header_bufs: dict[int, _HeaderBufs] = {}  # per slot size, for this layout (_make_header_bufs)
         self._machine_key = _machine_key(machine)
         self._seq = -1  # set-up is call #0: the user's calls count from 1, as in the test doubles
         try:  # as a collective: other ranks' error messages then say this rank is in set-up, and where
@@ -355,6 +390,8 @@ class _TorchCommunicator(Communicator):
         """Make the groups of the header exchange's ``blocks`` (every rank makes every group, in the
         same order); ``machines``: where blocks that are machines may use the machine groups."""
         self._blocks = blocks
+        self._table_index = _table_index(blocks, self._world)
+        self._header_bufs = {}
         self._place = next((i, b.index(self._rank)) for i, b in enumerate(blocks) if self._rank in b)
         self._block = blocks[self._place[0]]
         if len(blocks) == 1:
@@ -563,55 +600,69 @@ class _TorchCommunicator(Communicator):
         one that leads a block of several, four (six). With one block (set-up, small worlds) it is a
         gather and a broadcast."""
         world, me, blocks, block = self._world, self._rank, self._blocks, self._block
-        # rank 0's table is a bytearray: its summary compares it as bytes, in place (no copy). It is
-        # local, never resized (torch.frombuffer holds a reference to it, not an export), and what
-        # leaves this method is a view of the tensor.
-        table = bytearray(world * size) if me == 0 else None
-        out = torch.empty(world * size, dtype=torch.uint8) if table is None else \
-            torch.frombuffer(table, dtype=torch.uint8)
-        view = memoryview(out.numpy())  # type: ignore[arg-type]
-        view[me * size : (me + 1) * size] = slot
-        mine = out[me * size : (me + 1) * size]
+        b = self._header_bufs.get(size)
+        if b is None:
+            b = self._header_bufs[size] = self._make_header_bufs(size)
+        b.view[me * size : (me + 1) * size] = slot
         leaders = self._leader_group if block[0] == me else None  # two levels, and this rank leads a block
-        wide = max(len(b) for b in blocks) * size
-        held = mine if leaders is None else torch.zeros(wide, dtype=torch.uint8)  # what this rank sends up
         if len(block) > 1:
-            outs: list[list[torch.Tensor]] = []
-            if block[0] == me:
-                into = out if leaders is None else held
-                outs = [[into[i * size : (i + 1) * size] for i in range(len(block))]]
-                self._count(0, (len(block) - 1) * size)
-            else:
-                self._count(size, 0)
-            self._native(self._block_group.gather, (outs, [mine], self._opts("GatherOptions", timeout, root=0)),
-                         timeout)
+            self._count(0, (len(block) - 1) * size) if block[0] == me else self._count(size, 0)
+            self._native(self._block_group.gather,
+                         (b.block_outs, [b.mine], self._opts("GatherOptions", timeout, root=0)), timeout)
         elif leaders is not None:
-            held[:size] = mine
+            b.held[:size] = b.mine
         if leaders is not None:
-            tables = torch.empty(len(blocks) * wide if me == 0 else 0, dtype=torch.uint8)
-            outs = [[tables[i * wide : (i + 1) * wide] for i in range(len(blocks))]] if me == 0 else []
-            if me == 0:
-                self._count(0, (len(blocks) - 1) * wide)
-            else:
-                self._count(wide, 0)
-            self._native(leaders.gather, (outs, [held], self._opts("GatherOptions", timeout, root=0)), timeout)
-            if me == 0:
-                rows, got = out.numpy().reshape(world, size), tables.numpy().reshape(len(blocks), -1, size)
-                for i, b in enumerate(blocks):
-                    rows[b] = got[i, : len(b)]
-        summary = torch.zeros(8 + 2 * size, dtype=torch.uint8)  # odd rank + 1 (0: none; -1: the table follows)
-        sview = memoryview(summary.numpy())  # type: ignore[arg-type]
-        if table is not None:  # rank 0
-            _summarize(table, world, size, sview)
-        self._headers_down(summary, leaders, timeout)
+            wide = b.held.numel()
+            self._count(0, (len(blocks) - 1) * wide) if me == 0 else self._count(wide, 0)
+            self._native(leaders.gather, (b.tables_outs, [b.held], self._opts("GatherOptions", timeout, root=0)),
+                         timeout)
+            if b.take is not None:  # rank 0: one pass in C over the blocks' tables, not a step per block
+                src, index, dst = b.take
+                np.take(src, index, axis=0, out=dst)
+        sview = b.sview
+        if b.table is not None:  # rank 0
+            _summarize(b.table, world, size, sview)
+        self._headers_down(b.summary, leaders, timeout)
         odd = _I64.unpack_from(sview, 0)[0] - 1
         # what the summary says of the table, for the pipeline's agreement (``_frame.agreed``)
         alike = None if odd == -2 else (odd, bytes(sview[8 : 8 + size]))
         if odd == -2:
-            self._headers_down(out, leaders, timeout)
+            self._headers_down(b.out, leaders, timeout)
         elif me != 0:  # the table the summary stands for (this rank's own slot is in it, as rank 0 got it)
             return _expand(sview, world, size), alike
-        return view, alike
+        return b.view, alike
+
+    def _make_header_bufs(self, size: int) -> _HeaderBufs:
+        """The header exchange's buffers for slots of ``size`` bytes in this rank's place in the
+        blocks, and the views the native gathers fill: made once, reused by every call (as the
+        small worlds' all-to-all reuses its own), so that a call makes no view per block or per
+        rank. What the pipeline reads of the table it deserializes, and so copies, before the
+        collective returns; a transport failure breaks the communicator, so no abandoned collective
+        writes into them under a later call."""
+        world, me, blocks, block = self._world, self._rank, self._blocks, self._block
+        # rank 0's table is a bytearray: its summary compares it as bytes, in place (no copy). It is
+        # never resized (torch.frombuffer holds a reference to it, not an export).
+        table = bytearray(world * size) if me == 0 else None
+        out = torch.empty(world * size, dtype=torch.uint8) if table is None else \
+            torch.frombuffer(table, dtype=torch.uint8)
+        mine = out[me * size : (me + 1) * size]
+        two_levels = self._leader_group is not None and block[0] == me
+        wide = max(len(b) for b in blocks) * size
+        held = torch.zeros(wide, dtype=torch.uint8) if two_levels else mine  # what this rank sends up
+        into = held if two_levels else out
+        block_outs = [[into[i * size : (i + 1) * size] for i in range(len(block))]] if block[0] == me else []
+        take = None
+        tables_outs: list[list[torch.Tensor]] = []
+        if two_levels and me == 0:
+            # the blocks' tables land in the table itself where they are laid out as it is
+            index = self._table_index
+            into = out if index is None else torch.empty(len(blocks) * wide, dtype=torch.uint8)
+            tables_outs = [[into[i * wide : (i + 1) * wide] for i in range(len(blocks))]]
+            if index is not None:
+                take = (into.numpy().reshape(-1, size), index, out.numpy().reshape(world, size))
+        summary = torch.zeros(8 + 2 * size, dtype=torch.uint8)  # odd rank + 1 (0: none; -1: the table follows)
+        return _HeaderBufs(table, out, memoryview(out.numpy()), mine, held, block_outs,  # type: ignore[arg-type]
+                           take, tables_outs, summary, memoryview(summary.numpy()))  # type: ignore[arg-type]
 
     def _headers_down(self, buf: torch.Tensor, leaders: Any, timeout: float | None) -> None:
         """Rank 0's ``buf`` to every rank: to the blocks' first ranks, then within each block."""

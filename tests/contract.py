@@ -161,12 +161,12 @@ def header_blocks(comm: distcomm.Communicator, blocks: list[list[int]]) -> Itera
     """A gloo communicator's header exchange over ``blocks`` inside the block (collective: every
     rank makes the blocks' groups), then as it was, for the next test in a reused world."""
     c: Any = comm
-    saved = (c._blocks, c._place, c._block, c._block_group, c._leader_group)
+    saved = (c._blocks, c._table_index, c._header_bufs, c._place, c._block, c._block_group, c._leader_group)
     c._set_header_blocks(blocks, None)
     try:
         yield
     finally:
-        c._blocks, c._place, c._block, c._block_group, c._leader_group = saved
+        c._blocks, c._table_index, c._header_bufs, c._place, c._block, c._block_group, c._leader_group = saved
 
 
 def exercise_in_blocks(comm: distcomm.Communicator) -> dict[str, Any]:

@@ -583,3 +583,38 @@ def test_broadcast_root_posts_a_chunk_per_step(monkeypatch: pytest.MonkeyPatch) 
     steps = run_threaded(_root_steps, 5, timeout=60)[0]
     # 2 MiB and a pickle stream: halves of five 256 KiB chunks, one to each tree per step
     assert steps == [2] * 5
+
+
+@pytest.mark.parametrize("blocks", [
+    [[0, 1], [2, 3], [4, 5]],  # consecutive, in order, all of one length: the tables are the table
+    [[0], [1, 2, 3], [4, 5]],  # rank 0 alone, then runs (hosts of one rank)
+    [[0, 1], [2], [3, 4, 5]],  # uneven machines
+    [[0, 2, 4], [1, 3, 5]],  # machines whose ranks interleave
+    [[0, 1, 2], [3, 4]],  # a shorter last block
+])
+def test_rank_0_assembles_the_table_from_the_blocks_tables(blocks: list[list[int]]) -> None:
+    """Rank 0 gets each block's slots from its first rank in one buffer per block (as long as the
+    longest block); the table it makes of them holds every rank's slot in its row, in one pass."""
+    from distcomm._torch import _table_index
+
+    world, size = sum(len(b) for b in blocks), 8
+    per = max(len(b) for b in blocks)
+    tables = np.zeros((len(blocks), per, size), dtype=np.uint8)
+    for i, b in enumerate(blocks):
+        for j, r in enumerate(b):
+            tables[i, j] = r + 1
+    index = _table_index(blocks, world)
+    table = tables.reshape(-1, size)[: world] if index is None else np.take(tables.reshape(-1, size), index, axis=0)
+    assert (index is None) == (blocks == [[0, 1], [2, 3], [4, 5]])
+    assert table.tolist() == [[r + 1] * size for r in range(world)]
+
+
+def test_rank_0_takes_the_tables_of_machines_of_8_in_place() -> None:
+    """At 1,024 ranks on machines of 8 the blocks' tables land in rank 0's table as they are (no
+    copy); on hosts of one rank it takes them in one pass over a precomputed index."""
+    from distcomm._torch import _header_blocks, _table_index
+
+    machines = [list(range(m, m + 8)) for m in range(0, 1024, 8)]
+    assert _table_index(_header_blocks(1024, machines), 1024) is None
+    index = _table_index(_header_blocks(1024, [[r] for r in range(1024)]), 1024)
+    assert index is not None and index[0] == 0 and index[1] == 32 and index[1023] == 32 * 32 + 30
