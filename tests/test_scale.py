@@ -618,3 +618,27 @@ def test_rank_0_takes_the_tables_of_machines_of_8_in_place() -> None:
     assert _table_index(_header_blocks(1024, machines), 1024) is None
     index = _table_index(_header_blocks(1024, [[r] for r in range(1024)]), 1024)
     assert index is not None and index[0] == 0 and index[1] == 32 and index[1023] == 32 * 32 + 30
+
+
+_TINY_OOB = distcomm.PickleSerializer(oob_threshold=1)
+
+
+def _results_outlive_the_header_buffers(comm: distcomm.Communicator) -> Any:
+    """What each call returned stays as it was after later calls reuse the header exchange's
+    buffers, with every array out of band (a 1-byte threshold: a stream and a 4-byte buffer per
+    object, the most segments a 64-byte slot's table holds)."""
+    r = comm.rank
+    kept = [comm.all_gather(np.array([r * 10 + i], dtype=np.int32)) for i in range(3)]
+    kept.append(comm.broadcast(np.array([7], dtype=np.int32) if r == 0 else None))
+    comm.all_gather(np.array([-1], dtype=np.int32))  # one more call over the same buffers
+    return [[int(a[0]) for a in got] for got in kept[:3]], int(kept[3][0])
+
+
+@pytest.mark.parametrize("layout", ["one machine", "hosts of one rank", "machines of 2"])
+def test_results_outlive_the_reused_header_buffers(layout: str) -> None:
+    def fn(comm: distcomm.Communicator) -> Any:
+        with _header_layout(comm, layout):
+            return _results_outlive_the_header_buffers(comm)
+
+    for gathered, sent in spawn(fn, 6, timeout=120, serializer=_TINY_OOB):
+        assert gathered == [[q * 10 + i for q in range(6)] for i in range(3)] and sent == 7
