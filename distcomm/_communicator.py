@@ -2062,7 +2062,9 @@ class Communicator(abc.ABC):
         the root sends part r to rank r, and ``slots`` holds only the root's slot for this rank.
         """
         me, world = self.rank, self.world_size
-        plan = _Plan(send_counts=[0] * world, recv_counts=[0] * world)
+        # bytes to and from each rank, for an all-to-all (not scatter's: a receiver's plan stays O(1))
+        counted = op is not _SCATTER
+        plan = _Plan(send_counts=[0] * world, recv_counts=[0] * world) if counted else _Plan()
         if op is _SCATTER:
             receivers = [(r, r) for r in range(world) if r != root] if me == root else []
             sources = [] if me == root else [(root, slots[0], 0)]
@@ -2081,7 +2083,8 @@ class Communicator(abc.ABC):
                                   if inline is None and size]
             for t in out:
                 plan.sends.append((dst, t))
-                plan.send_counts[dst] += t.numel()
+                if counted:
+                    plan.send_counts[dst] += t.numel()
         # what I receive: each source's part meant for me, into exact-size buffers (with an
         # all-to-all: views of one buffer, each source's segments back to back; _load copies an
         # out-of-band buffer that lands unaligned)
@@ -2093,7 +2096,8 @@ class Communicator(abc.ABC):
             for size, inline in theirs[p]:
                 if inline is None:
                     self._check_receivable(size, src, op.label)
-                    plan.recv_counts[src] += size
+                    if counted:
+                        plan.recv_counts[src] += size
             wanted.append((src, theirs[p]))
             plan.packed[src] = bool(slot.header.flags & _frame.PACKED)
         if op is not _SCATTER and self._alltoall_fits(op, root, slots):

@@ -204,12 +204,15 @@ class _HeaderBufs(NamedTuple):
     view: memoryview  # of ``out``
     mine: torch.Tensor  # this rank's row of ``out``: what it sends in its block
     held: torch.Tensor  # what it sends up to rank 0 (a block's first rank: its block's slots)
-    block_outs: list[list[torch.Tensor]]  # a block's first rank: where its block's slots land
+    # each native call of the exchange as (its post, its arguments, bytes sent, bytes received),
+    # made once: up in the block, up among the blocks' first ranks, the summary's way down
+    up: list[tuple[Callable[..., Any], tuple[Any, ...], int, int]]
     take: tuple[Any, Any, Any] | None  # rank 0, where the blocks' tables aren't laid out as the table:
     # np.take's (blocks' tables, index, the table), as numpy arrays over the buffers
-    tables_outs: list[list[torch.Tensor]]  # rank 0: where each block's table lands
+    down: list[tuple[Callable[..., Any], tuple[Any, ...], int, int]]
     summary: torch.Tensor
     sview: memoryview  # of ``summary``
+    timeout: float | None  # what the calls' options say
 
 
 @functools.lru_cache(maxsize=4096)
@@ -599,30 +602,29 @@ class _TorchCommunicator(Communicator):
         A rank alone in its block, or that leads none, makes two native calls (three with the table);
         one that leads a block of several, four (six). With one block (set-up, small worlds) it is a
         gather and a broadcast."""
-        world, me, blocks, block = self._world, self._rank, self._blocks, self._block
+        world, me, block = self._world, self._rank, self._block
         b = self._header_bufs.get(size)
-        if b is None:
-            b = self._header_bufs[size] = self._make_header_bufs(size)
+        if b is None or b.timeout != timeout:  # made once; remade only for a timeout of its own
+            b = self._header_bufs[size] = self._make_header_bufs(size, timeout) if b is None else b._replace(
+                up=[(p, (*a[:-1], self._opts("GatherOptions", timeout, root=0)), n, m) for p, a, n, m in b.up],
+                down=[(p, (a[0], self._opts("BroadcastOptions", timeout, root=0)), n, m) for p, a, n, m in b.down],
+                timeout=timeout)
         b.view[me * size : (me + 1) * size] = slot
         leaders = self._leader_group if block[0] == me else None  # two levels, and this rank leads a block
-        if len(block) > 1:
-            self._count(0, (len(block) - 1) * size) if block[0] == me else self._count(size, 0)
-            self._native(self._block_group.gather,
-                         (b.block_outs, [b.mine], self._opts("GatherOptions", timeout, root=0)), timeout)
-        elif leaders is not None:
+        if leaders is not None and len(block) == 1:
             b.held[:size] = b.mine
-        if leaders is not None:
-            wide = b.held.numel()
-            self._count(0, (len(blocks) - 1) * wide) if me == 0 else self._count(wide, 0)
-            self._native(leaders.gather, (b.tables_outs, [b.held], self._opts("GatherOptions", timeout, root=0)),
-                         timeout)
-            if b.take is not None:  # rank 0: one pass in C over the blocks' tables, not a step per block
-                src, index, dst = b.take
-                np.take(src, index, axis=0, out=dst)
+        for post, args, sent, received in b.up:
+            self._count(sent, received)
+            self._native(post, args, timeout)
+        if b.take is not None:  # rank 0: one pass in C over the blocks' tables, not a step per block
+            src, index, dst = b.take
+            np.take(src, index, axis=0, out=dst)
         sview = b.sview
         if b.table is not None:  # rank 0
             _summarize(b.table, world, size, sview)
-        self._headers_down(b.summary, leaders, timeout)
+        for post, args, sent, received in b.down:  # as _headers_down
+            self._count(sent, received)
+            self._native(post, args, timeout)
         odd = _I64.unpack_from(sview, 0)[0] - 1
         # what the summary says of the table, for the pipeline's agreement (``_frame.agreed``)
         alike = None if odd == -2 else (odd, bytes(sview[8 : 8 + size]))
@@ -632,37 +634,48 @@ class _TorchCommunicator(Communicator):
             return _expand(sview, world, size), alike
         return b.view, alike
 
-    def _make_header_bufs(self, size: int) -> _HeaderBufs:
+    def _make_header_bufs(self, size: int, timeout: float | None) -> _HeaderBufs:
         """The header exchange's buffers for slots of ``size`` bytes in this rank's place in the
-        blocks, and the views the native gathers fill: made once, reused by every call (as the
-        small worlds' all-to-all reuses its own), so that a call makes no view per block or per
-        rank. What the pipeline reads of the table it deserializes, and so copies, before the
-        collective returns; a transport failure breaks the communicator, so no abandoned collective
-        writes into them under a later call."""
+        blocks, the views the native gathers fill and each native call's arguments: made once,
+        reused by every call (as the small worlds' all-to-all reuses its buffers), so that a call
+        makes no view per block or per rank. What the pipeline reads of the table it deserializes,
+        and so copies, before the collective returns; a transport failure breaks the communicator,
+        so no abandoned collective writes into them under a later call."""
         world, me, blocks, block = self._world, self._rank, self._blocks, self._block
+        (i, pos), gather = self._place, self._opts("GatherOptions", timeout, root=0)
         # rank 0's table is a bytearray: its summary compares it as bytes, in place (no copy). It is
         # never resized (torch.frombuffer holds a reference to it, not an export).
         table = bytearray(world * size) if me == 0 else None
         out = torch.empty(world * size, dtype=torch.uint8) if table is None else \
             torch.frombuffer(table, dtype=torch.uint8)
         mine = out[me * size : (me + 1) * size]
-        two_levels = self._leader_group is not None and block[0] == me
+        leaders = self._leader_group if block[0] == me else None
         wide = max(len(b) for b in blocks) * size
-        held = torch.zeros(wide, dtype=torch.uint8) if two_levels else mine  # what this rank sends up
-        into = held if two_levels else out
-        block_outs = [[into[i * size : (i + 1) * size] for i in range(len(block))]] if block[0] == me else []
+        held = torch.zeros(wide, dtype=torch.uint8) if leaders is not None else mine  # what this rank sends up
+        up: list[tuple[Callable[..., Any], tuple[Any, ...], int, int]] = []
+        if len(block) > 1:
+            into = held if leaders is not None else out
+            outs = [[into[j * size : (j + 1) * size] for j in range(len(block))]] if pos == 0 else []
+            up.append((self._block_group.gather, (outs, [mine], gather),
+                       0 if pos == 0 else size, (len(block) - 1) * size if pos == 0 else 0))
         take = None
-        tables_outs: list[list[torch.Tensor]] = []
-        if two_levels and me == 0:
-            # the blocks' tables land in the table itself where they are laid out as it is
-            index = self._table_index
-            into = out if index is None else torch.empty(len(blocks) * wide, dtype=torch.uint8)
-            tables_outs = [[into[i * wide : (i + 1) * wide] for i in range(len(blocks))]]
-            if index is not None:
-                take = (into.numpy().reshape(-1, size), index, out.numpy().reshape(world, size))
+        if leaders is not None:
+            outs = []
+            if me == 0:  # the blocks' tables land in the table itself where they are laid out as it is
+                index = self._table_index
+                into = out if index is None else torch.empty(len(blocks) * wide, dtype=torch.uint8)
+                outs = [[into[j * wide : (j + 1) * wide] for j in range(len(blocks))]]
+                if index is not None:
+                    take = (into.numpy().reshape(-1, size), index, out.numpy().reshape(world, size))
+            up.append((leaders.gather, (outs, [held], gather),
+                       0 if me == 0 else wide, (len(blocks) - 1) * wide if me == 0 else 0))
         summary = torch.zeros(8 + 2 * size, dtype=torch.uint8)  # odd rank + 1 (0: none; -1: the table follows)
-        return _HeaderBufs(table, out, memoryview(out.numpy()), mine, held, block_outs,  # type: ignore[arg-type]
-                           take, tables_outs, summary, memoryview(summary.numpy()))  # type: ignore[arg-type]
+        n, broadcast = summary.numel(), self._opts("BroadcastOptions", timeout, root=0)
+        down = [(group.broadcast, ([summary], broadcast), _binomial_children(members, v) * n, 0 if v == 0 else n)
+                for group, members, v in ((leaders, len(blocks), i), (self._block_group, len(block), pos))
+                if group is not None and members > 1]
+        return _HeaderBufs(table, out, memoryview(out.numpy()), mine, held, up,  # type: ignore[arg-type]
+                           take, down, summary, memoryview(summary.numpy()), timeout)  # type: ignore[arg-type]
 
     def _headers_down(self, buf: torch.Tensor, leaders: Any, timeout: float | None) -> None:
         """Rank 0's ``buf`` to every rank: to the blocks' first ranks, then within each block."""
@@ -758,6 +771,8 @@ class _TorchCommunicator(Communicator):
         key = (kind, timeout, op, root)
         opts = self._opts_made.get(key)
         if opts is None:
+            if len(self._opts_made) >= 256:  # timeouts of every call's own: made again, not kept
+                self._opts_made.clear()
             c = _c10d()
             opts = getattr(c, kind)()
             if timeout is not None:

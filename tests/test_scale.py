@@ -628,7 +628,8 @@ def _results_outlive_the_header_buffers(comm: distcomm.Communicator) -> Any:
     buffers, with every array out of band (a 1-byte threshold: a stream and a 4-byte buffer per
     object, the most segments a 64-byte slot's table holds)."""
     r = comm.rank
-    kept = [comm.all_gather(np.array([r * 10 + i], dtype=np.int32)) for i in range(3)]
+    # a timeout of each call's own, as a deadline gives: the exchange's calls take it up each time
+    kept = [comm.all_gather(np.array([r * 10 + i], dtype=np.int32), timeout=60 + i) for i in range(3)]
     kept.append(comm.broadcast(np.array([7], dtype=np.int32) if r == 0 else None))
     comm.all_gather(np.array([-1], dtype=np.int32))  # one more call over the same buffers
     return [[int(a[0]) for a in got] for got in kept[:3]], int(kept[3][0])
