@@ -1901,18 +1901,22 @@ class Communicator(abc.ABC):
 
     def _load(self, op: Op, seq: int, src: int, segs: list[_Seg], packed: bool) -> Any:
         """Deserialize one rank's segments (inline views or received tensors)."""
-        # Out-of-band buffers become the results' memory: those that came inline in the slot are
-        # copied out of it (the slot buffer is the transport's, and may be read-only), into aligned memory.
-        # Buffers that landed at an unaligned offset of a shared receive buffer are copied too (an
-        # all-to-all lands them back to back): every out-of-band buffer starts at a multiple of 64.
+        # The segments become the results' memory (a serializer may keep them). Those that came
+        # inline in the slot are copied out of it: the slot buffers are the transport's, reused by
+        # the next call (and may be read-only); out-of-band buffers into aligned memory. Buffers that
+        # landed at an unaligned offset of a shared receive buffer are copied too (an all-to-all
+        # lands them back to back): every out-of-band buffer starts at a multiple of 64.
         if packed:
             inline = segs[0][1]
             views = _frame.unpack(segs[0][0])
             views[1:] = [_owned_copy(v) if inline or not _is_aligned(v) else v for v in views[1:]]
-        elif len(segs) == 1:  # a pickle stream alone
-            views = [segs[0][0]]
+            if inline:
+                views[0] = memoryview(bytearray(views[0]))
         else:
-            views = [segs[0][0]] + [_owned_copy(v) if inline or not _is_aligned(v) else v for v, inline in segs[1:]]
+            stream, inline = segs[0]
+            views = [memoryview(bytearray(stream)) if inline else stream]
+            if len(segs) > 1:
+                views += [_owned_copy(v) if inline or not _is_aligned(v) else v for v, inline in segs[1:]]
         try:
             return self.serializer.loads(views)
         except CollectiveError as e:
@@ -1944,15 +1948,15 @@ class Communicator(abc.ABC):
         first = heads[0]
         same = (heads["op"] == first["op"]) & (heads["seq"] == first["seq"]) & (heads["root"] == first["root"])
         if not same.all():
+            # read before the call sites' exchange, which may reuse the buffer that ``heads`` views
+            calls = list(zip(heads["op"].tolist(), heads["seq"].tolist(), heads["root"].tolist(), strict=True))
             sites = self._gather_sites(timeout)
             rows = {}
-            for r, (hop, hseq, hroot) in enumerate(zip(heads["op"].tolist(), heads["seq"].tolist(),
-                                                       heads["root"].tolist(), strict=True)):
+            for r, (hop, hseq, hroot) in enumerate(calls):
                 name = Op(hop).label if hop in Op._value2member_map_ else f"op {hop}"
                 where = f" root={hroot}" if hroot >= 0 else ""
                 rows[r] = f"{name}{where} (call #{hseq}) at {sites[r]}"
-            odd = _odd_ones(list(zip(heads["op"].tolist(), heads["seq"].tolist(), heads["root"].tolist(),
-                                     strict=True)))
+            odd = _odd_ones(calls)
             raise CollectiveMismatchError(
                 "ranks called different collectives:\n" + _states_table(rows, self.world_size), op=op.label,
                 ranks=odd)

@@ -35,6 +35,7 @@ from ._errors import (
     CollectiveTimeoutError,
     CommunicatorStateError,
     DistCommError,
+    FrameError,
     PeerError,
 )
 from ._serialization import Serializer
@@ -146,7 +147,7 @@ def _summarize(table: bytes | bytearray | memoryview, world: int, size: int, out
     if odd == -2:
         return odd
     out[8 : 8 + size] = rows[common * size : (common + 1) * size]
-    # no odd slot: zeros (``out`` is reused from call to call, and no earlier call's slot goes out)
+    # no odd slot: zeros, not the slot of an earlier call's summary (``out`` is reused from call to call)
     out[8 + size : 8 + 2 * size] = rows[odd * size : (odd + 1) * size] if odd >= 0 else bytes(size)
     return odd
 
@@ -155,6 +156,8 @@ def _expand(summary: memoryview, world: int, size: int) -> memoryview:
     """The table of ``world`` slots that a summary (``_summarize``'s, not -1) stands for: the common
     slot repeated, the odd one in its place. One allocation, filled by repeated memcpy."""
     odd = _I64.unpack_from(summary, 0)[0] - 1
+    if not -1 <= odd < world:
+        raise FrameError(f"the header exchange's summary names rank {odd} as the odd one, in a world of {world}")
     table = bytearray(summary[8 : 8 + size]) * world
     if odd >= 0:
         table[odd * size : (odd + 1) * size] = summary[8 + size : 8 + 2 * size]
@@ -468,6 +471,7 @@ class _TorchCommunicator(Communicator):
         if destroyed:  # let go of them, so that they are torn down now where nothing else holds them
             self._group = self._obj_group = self._local_group = self._store = None
             self._block_group = self._leader_group = None
+            self._header_bufs = {}  # its native calls are the groups' bound methods
 
     # ------------------------------------------------------------------ transport
     # Waits longer than a slice look, between slices, at Ctrl-C and at the peers' processes. A
@@ -771,8 +775,6 @@ class _TorchCommunicator(Communicator):
         key = (kind, timeout, op, root)
         opts = self._opts_made.get(key)
         if opts is None:
-            if len(self._opts_made) >= 256:  # timeouts of every call's own: made again, not kept
-                self._opts_made.clear()
             c = _c10d()
             opts = getattr(c, kind)()
             if timeout is not None:

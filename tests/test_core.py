@@ -289,3 +289,20 @@ def test_main_process_flag_travels_as_a_plain_bool() -> None:
     assert comm.is_main_process() is True and repr(comm.is_main_process) == "True"
     got = comm.all_gather({"main": comm.is_main_process})
     assert got[1] == {"main": True} and type(got[1]["main"]) is bool
+
+
+def _mismatched_with_small_slots(comm: distcomm.Communicator) -> str:
+    r = comm.rank
+    try:
+        comm.gather(r) if r == 0 else comm.all_gather(r)
+    except distcomm.CollectiveMismatchError as e:
+        return f"{e} ranks={e.ranks}"
+    return "no error"
+
+
+def test_mismatch_report_survives_the_call_sites_exchange_at_any_slot_size() -> None:
+    """The call sites travel in an exchange of 256-byte slots: with slot_bytes=256 it reuses the
+    slots' buffer, and the report still names each rank's own call."""
+    for text in spawn(_mismatched_with_small_slots, 3, timeout=120, slot_bytes=256):
+        assert "rank 0: gather root=0 (call #1) at test_core.py" in text, text
+        assert "ranks 1-2: all_gather (call #1) at test_core.py" in text and text.endswith("ranks=(0,)"), text
