@@ -1478,8 +1478,7 @@ class Communicator(abc.ABC):
             slot = _frame.encode_status(status, op, seq, root, message, size)
             mine = _frame.decode(slot)
         elif kind is _SCATTER:
-            slot = self._scatter_head(op, seq, root, digest, part_slot, size)
-            mine = _frame.decode(slot)
+            slot, mine = self._scatter_head(op, seq, root, digest, part_slot, size)
         else:
             slot, parts, mine = self._build_slot(op, seq, root, digest, parts, size)
             tables = mine.parts
@@ -1664,12 +1663,14 @@ class Communicator(abc.ABC):
         return size
 
     @staticmethod
-    def _scatter_head(op: Op, seq: int, root: int, digest: int, sub: int, size: int) -> bytearray:
-        """A scatter's header slot: the root's announces the size ``sub`` of the slot each rank then
-        receives from it, as one segment that travels later, where it is over ``size``."""
+    def _scatter_head(op: Op, seq: int, root: int, digest: int, sub: int, size: int) -> tuple[bytearray, _frame.Slot]:
+        """A scatter's header slot, and the slot as decoded: the root's announces the size ``sub`` of
+        the slot each rank then receives from it, as one segment that travels later, where it is
+        over ``size``."""
         if sub > size:
-            return _frame.encode_later(op, seq, root, digest, sub, size)
-        return _frame.encode(op, seq, root, digest, [], size)
+            slot = _frame.encode_later(op, seq, root, digest, sub, size)
+            return slot, _frame.decode(slot)
+        return _frame.encode_slot(op, seq, root, digest, [], size)
 
     def _announced_slot_size(self, op: Op, seq: int, root: int, head: _frame.Slot, size: int) -> int:
         """The size of the slot this rank receives from scatter's root, as the root's header slot

@@ -221,7 +221,7 @@ class FakeCommunicator(Communicator):
             part_slot = self._scatter_slot_size(parts, root, size)
             sub, mine, decoded = self._build_slot(op, seq, root, 0, [parts[me]], part_slot)
             self._feed(r, [memoryview(sub), *self._later(decoded, mine, 0)])
-            return self._scatter_head(op, seq, root, 0, part_slot, size)
+            return self._scatter_head(op, seq, root, 0, part_slot, size)[0]
         slot, parts, decoded = self._build_slot(op, seq, root, 0, parts, size)
         if kind is Op.GATHER and parts:
             self._peer_segs[r] = parts[0]  # every segment, should the gather go up the tree
