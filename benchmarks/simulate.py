@@ -24,9 +24,9 @@ and native calls such as gloo's all-to-all and broadcast), measures both costs o
 group before the run, and adds them: distcomm's posts at those costs, and torch's native calls
 (two per object collective, three for scatter_object_list) at the native cost. Beyond 4 ranks
 the header exchange runs the gloo communicator's own code, with the ranks on machines of 8 (one
-machine up to 8 ranks) and its native gathers and broadcasts stubbed (``HeaderExchange``): its
-Python (rank 0's table and summary, the others' table from the summary) counts as the rank's, and
-its native calls are counted.
+machine up to 8 ranks) and gloo's groups stubbed (``HeaderExchange``): its Python (rank 0's table
+and summary, the others' table from the summary, posting each native call and waiting for it)
+counts as the rank's, and its native calls are counted.
 """
 
 from __future__ import annotations
@@ -59,35 +59,44 @@ def payload(name: str, rank: int) -> Any:
     return np.full(MiB // 8, float(rank))
 
 
+class _Done:
+    """A native collective's work that has finished: ``wait`` returns at once."""
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+
 class _StubGroup:
-    """Stands for one of the header exchange's gloo groups: posting a gather or a broadcast returns
-    what to land, which ``HeaderExchange`` does from the table it is given."""
+    """Stands for one of the header exchange's gloo groups: a gather or broadcast posted to it lands
+    at once what gloo would (``HeaderExchange._land``) and returns finished work, so the
+    communicator's own posting and waiting code runs as on gloo."""
 
-    def __init__(self, ranks: list[int]) -> None:
-        self.ranks = ranks
+    def __init__(self, ranks: list[int], hx: HeaderExchange) -> None:
+        self.ranks, self.hx = ranks, hx
 
-    def gather(self, outs: list[list[torch.Tensor]], ins: list[torch.Tensor], opts: Any) -> Any:
-        return ("gather", self.ranks, outs)
+    def gather(self, outs: list[list[torch.Tensor]], ins: list[torch.Tensor], opts: Any) -> _Done:
+        self.hx._land("gather", self.ranks, outs)
+        return _Done()
 
-    def broadcast(self, bufs: list[torch.Tensor], opts: Any) -> Any:
-        return ("broadcast", self.ranks, bufs)
+    def broadcast(self, bufs: list[torch.Tensor], opts: Any) -> _Done:
+        self.hx._land("broadcast", self.ranks, bufs)
+        return _Done()
 
 
 class HeaderExchange:
     """The gloo communicator's header exchange (``_gather_headers``), its real code on one rank of a
-    world on machines of 8 (one machine up to 8 ranks), with the native calls stubbed: each lands
-    what gloo would from the whole table, and that landing is the transport's time. So the
-    exchange's own Python (buffers, views, rank 0's table and summary, the others' table from it)
-    counts as the rank's, and its native calls are counted."""
+    world on machines of 8 (one machine up to 8 ranks), with gloo's groups stubbed: each native call
+    lands what gloo would from the whole table, and that landing is the transport's time. So the
+    exchange's own Python (buffers, views, rank 0's table and summary, the others' table from it,
+    posting and waiting) counts as the rank's, and its native calls are counted."""
 
     def __init__(self, world: int, rank: int) -> None:
         from distcomm import GlooCommunicator
 
         c: Any = object.__new__(GlooCommunicator)
         c._world, c._rank, c._opts_made, c._cur = world, rank, {}, OpStats()
-        c._obj_group = c._local_group = _StubGroup(list(range(world)))
-        c._new_group = lambda ranks, backend: _StubGroup(ranks)
-        c._native = self._native
+        c._obj_group = c._local_group = _StubGroup(list(range(world)), self)
+        c._new_group = lambda ranks, backend: _StubGroup(ranks, self)
         c._set_header_blocks(_header_blocks(world, [list(range(m, min(m + 8, world))) for m in range(0, world, 8)]),
                              None)
         self.comm, self.world, self.rank = c, world, rank
@@ -95,9 +104,8 @@ class HeaderExchange:
         self.transport_s, self.native = 0.0, 0
         self._landings: dict[int, tuple[Any, Any, Any]] = {}
 
-    def _native(self, post: Callable[..., Any], args: tuple[Any, ...], timeout: float | None) -> None:
+    def _land(self, kind: str, ranks: list[int], outs: list[Any]) -> None:
         t0 = time.thread_time()
-        kind, ranks, outs = post(*args)
         size, table = self.size, self.table
         if kind == "gather" and outs:  # this rank is the root: every member's slots land, in one step
             landing = self._landings.get(id(outs))
