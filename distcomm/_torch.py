@@ -199,6 +199,11 @@ def _table_index(blocks: list[list[int]], world: int) -> np.ndarray[Any, Any] | 
     return index
 
 
+_Call = tuple[Callable[..., Any], tuple[Any, ...], str, int, int]
+"""A native call of the header exchange: its post, its arguments but the options, the kind of
+its options, the bytes it sends and receives on this rank."""
+
+
 class _HeaderBufs(NamedTuple):
     """One rank's buffers for the header exchange (``_TorchCommunicator._make_header_bufs``)."""
 
@@ -207,15 +212,13 @@ class _HeaderBufs(NamedTuple):
     view: memoryview  # of ``out``
     mine: torch.Tensor  # this rank's row of ``out``: what it sends in its block
     held: torch.Tensor  # what it sends up to rank 0 (a block's first rank: its block's slots)
-    # each native call of the exchange as (its post, its arguments, bytes sent, bytes received),
-    # made once: up in the block, up among the blocks' first ranks, the summary's way down
-    up: list[tuple[Callable[..., Any], tuple[Any, ...], int, int]]
+    up: list[_Call]  # the native calls up: in the block, then among the blocks' first ranks
     take: tuple[Any, Any, Any] | None  # rank 0, where the blocks' tables aren't laid out as the table:
     # np.take's (blocks' tables, index, the table), as numpy arrays over the buffers
-    down: list[tuple[Callable[..., Any], tuple[Any, ...], int, int]]
+    down: list[_Call]  # the summary's way down: to the blocks' first ranks, then within each block
+    down_table: list[_Call]  # the table's, the same way, when the summary says it follows
     summary: torch.Tensor
     sview: memoryview  # of ``summary``
-    timeout: float | None  # what the calls' options say
 
 
 @functools.lru_cache(maxsize=4096)
@@ -608,37 +611,34 @@ class _TorchCommunicator(Communicator):
         gather and a broadcast."""
         world, me, block = self._world, self._rank, self._block
         b = self._header_bufs.get(size)
-        if b is None or b.timeout != timeout:  # made once; remade only for a timeout of its own
-            b = self._header_bufs[size] = self._make_header_bufs(size, timeout) if b is None else b._replace(
-                up=[(p, (*a[:-1], self._opts("GatherOptions", timeout, root=0)), n, m) for p, a, n, m in b.up],
-                down=[(p, (a[0], self._opts("BroadcastOptions", timeout, root=0)), n, m) for p, a, n, m in b.down],
-                timeout=timeout)
+        if b is None:
+            b = self._header_bufs[size] = self._make_header_bufs(size)
         b.view[me * size : (me + 1) * size] = slot
-        leaders = self._leader_group if block[0] == me else None  # two levels, and this rank leads a block
-        if leaders is not None and len(block) == 1:
+        if self._leader_group is not None and block == [me]:  # it leads a block of its own
             b.held[:size] = b.mine
-        for post, args, sent, received in b.up:
-            self._count(sent, received)
-            self._native(post, args, timeout)
+        self._post_calls(b.up, timeout)
         if b.take is not None:  # rank 0: one pass in C over the blocks' tables, not a step per block
             src, index, dst = b.take
             np.take(src, index, axis=0, out=dst)
         sview = b.sview
         if b.table is not None:  # rank 0
             _summarize(b.table, world, size, sview)
-        for post, args, sent, received in b.down:  # as _headers_down
-            self._count(sent, received)
-            self._native(post, args, timeout)
+        self._post_calls(b.down, timeout)
         odd = _I64.unpack_from(sview, 0)[0] - 1
         # what the summary says of the table, for the pipeline's agreement (``_frame.agreed``)
         alike = None if odd == -2 else (odd, bytes(sview[8 : 8 + size]))
         if odd == -2:
-            self._headers_down(b.out, leaders, timeout)
+            self._post_calls(b.down_table, timeout)
         elif me != 0:  # the table the summary stands for (this rank's own slot is in it, as rank 0 got it)
             return _expand(sview, world, size), alike
         return b.view, alike
 
-    def _make_header_bufs(self, size: int, timeout: float | None) -> _HeaderBufs:
+    def _post_calls(self, calls: list[_Call], timeout: float | None) -> None:
+        for post, args, kind, sent, received in calls:
+            self._count(sent, received)
+            self._native(post, (*args, self._opts(kind, timeout, root=0)), timeout)
+
+    def _make_header_bufs(self, size: int) -> _HeaderBufs:
         """The header exchange's buffers for slots of ``size`` bytes in this rank's place in the
         blocks, the views the native gathers fill and each native call's arguments: made once,
         reused by every call (as the small worlds' all-to-all reuses its buffers), so that a call
@@ -646,7 +646,7 @@ class _TorchCommunicator(Communicator):
         and so copies, before the collective returns; a transport failure breaks the communicator,
         so no abandoned collective writes into them under a later call."""
         world, me, blocks, block = self._world, self._rank, self._blocks, self._block
-        (i, pos), gather = self._place, self._opts("GatherOptions", timeout, root=0)
+        i, pos = self._place
         # rank 0's table is a bytearray: its summary compares it as bytes, in place (no copy). It is
         # never resized (torch.frombuffer holds a reference to it, not an export).
         table = bytearray(world * size) if me == 0 else None
@@ -656,11 +656,11 @@ class _TorchCommunicator(Communicator):
         leaders = self._leader_group if block[0] == me else None
         wide = max(len(b) for b in blocks) * size
         held = torch.zeros(wide, dtype=torch.uint8) if leaders is not None else mine  # what this rank sends up
-        up: list[tuple[Callable[..., Any], tuple[Any, ...], int, int]] = []
+        up: list[_Call] = []
         if len(block) > 1:
             into = held if leaders is not None else out
             outs = [[into[j * size : (j + 1) * size] for j in range(len(block))]] if pos == 0 else []
-            up.append((self._block_group.gather, (outs, [mine], gather),
+            up.append((self._block_group.gather, (outs, [mine]), "GatherOptions",
                        0 if pos == 0 else size, (len(block) - 1) * size if pos == 0 else 0))
         take = None
         if leaders is not None:
@@ -671,23 +671,19 @@ class _TorchCommunicator(Communicator):
                 outs = [[into[j * wide : (j + 1) * wide] for j in range(len(blocks))]]
                 if index is not None:
                     take = (into.numpy().reshape(-1, size), index, out.numpy().reshape(world, size))
-            up.append((leaders.gather, (outs, [held], gather),
+            up.append((leaders.gather, (outs, [held]), "GatherOptions",
                        0 if me == 0 else wide, (len(blocks) - 1) * wide if me == 0 else 0))
         summary = torch.zeros(8 + 2 * size, dtype=torch.uint8)  # odd rank + 1 (0: none; -1: the table follows)
-        n, broadcast = summary.numel(), self._opts("BroadcastOptions", timeout, root=0)
-        down = [(group.broadcast, ([summary], broadcast), _binomial_children(members, v) * n, 0 if v == 0 else n)
-                for group, members, v in ((leaders, len(blocks), i), (self._block_group, len(block), pos))
-                if group is not None and members > 1]
-        return _HeaderBufs(table, out, memoryview(out.numpy()), mine, held, up,  # type: ignore[arg-type]
-                           take, down, summary, memoryview(summary.numpy()), timeout)  # type: ignore[arg-type]
 
-    def _headers_down(self, buf: torch.Tensor, leaders: Any, timeout: float | None) -> None:
-        """Rank 0's ``buf`` to every rank: to the blocks' first ranks, then within each block."""
-        i, pos = self._place
-        if leaders is not None:
-            self._broadcast_in(leaders, len(self._blocks), i, buf, timeout)
-        if len(self._block) > 1:
-            self._broadcast_in(self._block_group, len(self._block), pos, buf, timeout)
+        def down(buf: torch.Tensor) -> list[_Call]:  # rank 0's buf to the blocks' first ranks, then in each block
+            n = buf.numel()
+            return [(group.broadcast, ([buf],), "BroadcastOptions", _binomial_children(members, v) * n,
+                     0 if v == 0 else n)
+                    for group, members, v in ((leaders, len(blocks), i), (self._block_group, len(block), pos))
+                    if group is not None and members > 1]
+
+        return _HeaderBufs(table, out, memoryview(out.numpy()), mine, held, up,  # type: ignore[arg-type]
+                           take, down(summary), down(out), summary, memoryview(summary.numpy()))  # type: ignore[arg-type]
 
     def _scatter_slots(self, root: int, subs: list[bytearray], size: int, timeout: float | None) -> torch.Tensor | None:
         # beyond small worlds in one native scatter: the root's sends are posted in C++, not a
