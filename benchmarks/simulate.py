@@ -44,8 +44,8 @@ import torch
 import torch.distributed as dist
 
 from distcomm import Communicator, _frame
-from distcomm._communicator import OpStats
-from distcomm._torch import _header_blocks, _summarize
+from distcomm._communicator import _ROUTE, Op, OpStats
+from distcomm._torch import SUMMARY_CARRY, _header_blocks, _summarize
 from distcomm.testing import FakeCommunicator
 
 MiB = 1 << 20
@@ -101,6 +101,7 @@ class HeaderExchange:
                              None)
         self.comm, self.world, self.rank = c, world, rank
         self.table, self.size = b"", 0
+        self.carry = b""  # the segments of rank 0's broadcast that follow its slot (see _gather_headers)
         self.transport_s, self.native = 0.0, 0
         self._landings: dict[int, tuple[Any, Any, Any]] = {}
 
@@ -115,11 +116,12 @@ class HeaderExchange:
             into[at] = np.frombuffer(table, dtype=np.uint8).reshape(-1, size)[rows]
         elif kind == "broadcast" and self.rank != 0:  # rank 0's summary, or its table
             buf = outs[0].numpy()
-            if buf.size == self.world * size:
+            if outs[0].data_ptr() != self.comm._header_bufs[size].summary.data_ptr():  # the table
                 buf[:] = np.frombuffer(table, dtype=np.uint8)
             else:
                 summary = memoryview(bytearray(buf.size))
-                _summarize(table, self.world, size, summary)
+                if _summarize(table, self.world, size, summary) == 0 and 0 < len(self.carry) <= SUMMARY_CARRY:
+                    summary[8 + 2 * size : 8 + 2 * size + len(self.carry)] = self.carry  # rank 0's broadcast
                 buf[:] = np.frombuffer(summary, dtype=np.uint8)
         self.native += 1
         self.transport_s += time.thread_time() - t0
@@ -137,10 +139,12 @@ class HeaderExchange:
         into = torch.empty(0, dtype=torch.uint8).set_(outs[0].untyped_storage())
         return into.numpy().reshape(-1, size), np.array(at), np.array(rows)
 
-    def __call__(self, slot: bytearray, size: int, table: bytes) -> tuple[memoryview, Any]:
-        """This rank's exchange of ``slot`` where every rank's slots are ``table``."""
-        self.table, self.size = table, size
-        return self.comm._gather_headers(slot, size, None)  # type: ignore[no-any-return]
+    def __call__(self, slot: bytearray, size: int, table: bytes, carry: Any,
+                 root_carry: bytes) -> tuple[memoryview, Any]:
+        """This rank's exchange of ``slot`` where every rank's slots are ``table`` (and rank 0's
+        broadcast segments after its slot ``root_carry``)."""
+        self.table, self.size, self.carry = table, size, root_carry
+        return self.comm._gather_headers(slot, size, None, carry)  # type: ignore[no-any-return]
 
 
 class SimCommunicator(FakeCommunicator):
@@ -157,7 +161,8 @@ class SimCommunicator(FakeCommunicator):
         self._tape: dict[tuple[int, int, int], tuple[bytes, dict[int, list[memoryview]]]] = {}
         self._hx: HeaderExchange | None = None
 
-    def _exchange_slots(self, slot: bytearray, size: int, timeout: float | None) -> tuple[memoryview, Any]:
+    def _exchange_slots(self, slot: bytearray, size: int, timeout: float | None,
+                        carry: Any = ()) -> tuple[memoryview, Any]:
         t0 = time.thread_time()
         op, root, _ = self._ctx
         key = (int(op), root, size)
@@ -184,8 +189,9 @@ class SimCommunicator(FakeCommunicator):
                 hx = self._hx = HeaderExchange(self.world_size, self.rank)
             hx.transport_s, hx.native = 0.0, 0
             table = bytes(buf)  # what the stubbed transport lands from
+            root_carry = self._root_carry(op, root, size)
             t1 = time.thread_time()
-            raw, alike = hx(slot, size, table)
+            raw, alike = hx(slot, size, table, carry, root_carry)
             t0 += time.thread_time() - t1 - hx.transport_s  # the exchange's Python is the rank's own
             self.native += hx.native
             self.transport_s += time.thread_time() - t0
@@ -193,6 +199,21 @@ class SimCommunicator(FakeCommunicator):
         self.native += 1  # gloo's all-to-all
         self.transport_s += time.thread_time() - t0
         return memoryview(buf), None
+
+    def _carried(self, root: int, total: int) -> memoryview | None:
+        return None if self._hx is None else self._hx.comm._carried(root, total)  # type: ignore[no-any-return]
+
+    def _root_carry(self, op: Any, root: int, size: int) -> bytes:
+        """The segments of rank 0's broadcast that follow its slot, as rank 0 would carry them."""
+        if self.rank == 0 or root != 0 or _ROUTE[op] is not _ROUTE[Op.BROADCAST]:
+            return b""
+        key = (-1, root, size)
+        if key not in self._tape:
+            segs = self.serializer.dumps(self.objs[0])
+            _, mine = _frame.encode_slot(op, 1, 0, 0, [segs], size)
+            later = b"".join(bytes(s) for s, (_, inline) in zip(segs, mine.parts[0], strict=True) if inline is None)
+            self._tape[key] = (later, {})
+        return self._tape[key][0]
 
     def _exchange(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]],
                   timeout: float | None) -> None:

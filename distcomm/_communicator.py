@@ -1485,7 +1485,10 @@ class Communicator(abc.ABC):
         t1 = time.perf_counter()
         st.serialize_s += t1 - t0
 
-        raw, alike = self._exchange_slots(slot, size, timeout)
+        carry: list[memoryview] = []  # a broadcast root's segments that follow its slot (see _exchange_slots)
+        if kind is _BROADCAST and self.rank == root and status == _frame.OK and mine.later:
+            carry = [seg for seg, (_, inline) in zip(parts[0], tables[0], strict=True) if inline is None]
+        raw, alike = self._exchange_slots(slot, size, timeout, carry)
         slots = _Slots(raw, size, self.rank, mine)
         # max_bytes caps serialized payloads (set-up precedes agreement on it; inline words aren't payloads)
         cap = self.max_bytes if serialize and op is not _SETUP else None
@@ -1582,11 +1585,22 @@ class Communicator(abc.ABC):
         self._count(sum(t.numel() for _, t in sends), sum(t.numel() for _, t in recvs))
         self._exchange(sends, recvs, timeout)
 
-    def _exchange_slots(self, slot: bytearray, size: int, timeout: float | None) -> tuple[memoryview, _Alike]:
+    def _exchange_slots(self, slot: bytearray, size: int, timeout: float | None,
+                        carry: Sequence[memoryview] = ()) -> tuple[memoryview, _Alike]:
         """The pipeline's first exchange: every rank's slot (``_allgather_slots``), and what the
         exchange learnt of how alike they are, for ``_frame.agreed``: (k, c), every slot but slot k
-        (-1: none) is c, byte for byte; None where it learnt nothing (this default)."""
+        (-1: none) is c, byte for byte; None where it learnt nothing (this default).
+
+        ``carry``: on a broadcast's root, the segments that follow its slot. A transport whose
+        exchange ends in a broadcast from the root may send them with it (``_carried`` says where
+        they went); this default doesn't."""
         return self._allgather_slots(slot, size, timeout), None
+
+    def _carried(self, root: int, total: int) -> memoryview | None:
+        """The ``total`` bytes of ``root``'s broadcast segments where the last ``_exchange_slots``
+        brought them along (a view that lasts until the next exchange), on every rank the same
+        answer; None: they weren't, and go in ``_broadcast_buffer``. This default carries nothing."""
+        return None
 
     def _allgather_slots(self, slot: bytearray, size: int, timeout: float | None) -> memoryview:
         """Every rank's slot of ``size`` bytes, in rank order, flat.
@@ -1738,10 +1752,12 @@ class Communicator(abc.ABC):
         total = slot.later if len(slot.parts) == 1 else sum(n for n, inline in entries if inline is None)
         me = self.rank
         if me == root:
+            if not total or self._carried(root, total) is not None:  # nothing follows, or it went with the slots
+                return []
             later = [_byte_tensor(parts[0][i]) for i, (_, inline) in enumerate(entries) if inline is None]
             if total > self._BCAST_ONE_BUFFER:
                 self._tree_send(later, root, timeout)
-            elif total:
+            else:
                 self._broadcast_buffer(later[0] if len(later) == 1 else torch.cat(later), root, timeout)
             return []
         if total > self._BCAST_ONE_BUFFER:  # exact-size buffers of their own, down the binary tree
@@ -1764,7 +1780,11 @@ class Communicator(abc.ABC):
         else:
             buf = torch.empty(total, dtype=torch.uint8)
             view = _mv(buf)
-        self._broadcast_buffer(buf, root, timeout)
+        carried = self._carried(root, total)
+        if carried is None:
+            self._broadcast_buffer(buf, root, timeout)
+        else:  # copied out of the exchange's buffers, which the next call reuses
+            view[:] = carried
         pos, segs = 0, []
         for n, inline in entries:
             if inline is not None:

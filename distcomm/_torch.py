@@ -12,7 +12,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar, Literal, NamedTuple, NoReturn
 
 import numpy as np
@@ -107,11 +107,24 @@ if hasattr(os, "register_at_fork"):  # a forked child has none of the parent's t
 
 _I64 = struct.Struct("<q")
 
+SUMMARY_CARRY = 376
+"""The bytes of a broadcast's payload from rank 0 that the header exchange's summary carries
+(``_summary_size``): a broadcast from rank 0 of up to this many bytes after its slot (a seed, a dict
+of a few dozen numbers, a short list of names) takes the exchange's two native calls and no third.
+Every exchange's summary has room for them, at any op (its size can't depend on what the ranks
+agree on before they have agreed): at a slot of 64 bytes, a summary of 512."""
+
+
+def _summary_size(size: int) -> int:
+    """The header exchange's summary for slots of ``size`` bytes: the odd rank + 1, the common
+    slot, the odd slot (``_summarize``), then ``SUMMARY_CARRY`` bytes of a broadcast's payload."""
+    return 8 + 2 * size + SUMMARY_CARRY
+
 
 def _summarize(table: bytes | bytearray | memoryview, world: int, size: int, out: memoryview) -> int:
-    """Write into ``out`` (8 + 2 * size bytes) the short form of a table of ``world`` slots when all
-    but at most one are alike: the odd rank + 1 (0: none), the common slot, the odd slot (zeros:
-    none); else -1.
+    """Write into ``out`` (8 + 2 * size bytes or more) the short form of a table of ``world`` slots
+    when all but at most one are alike: the odd rank + 1 (0: none), the common slot, the odd slot
+    (zeros: none); else -1. Bytes of ``out`` beyond those are left as they are.
     Returns the odd rank (-1: none; -2: the slots differ more).
 
     In bytes comparisons (memcmp) of the table against itself shifted by one slot: slots a..b-1
@@ -219,6 +232,7 @@ class _HeaderBufs(NamedTuple):
     down_table: list[_Call]  # the table's, the same way, when the summary says it follows
     summary: torch.Tensor
     sview: memoryview  # of ``summary``
+    carry: memoryview  # the summary's last SUMMARY_CARRY bytes: a broadcast's payload from rank 0
 
 
 @functools.lru_cache(maxsize=4096)
@@ -321,6 +335,7 @@ class _TorchCommunicator(Communicator):
         self._leader_group: Any = None
         self._table_index: np.ndarray[Any, Any] | None = None  # see _table_index
         self._header_bufs: dict[int, _HeaderBufs] = {}  # per slot size, for this layout (_make_header_bufs)
+        self._carry: memoryview | None = None  # see _carried
         self._machine_key = _machine_key(machine)
         self._seq = -1  # set-up is call #0: the user's calls count from 1, as in the test doubles
         try:  # as a collective: other ranks' error messages then say this rank is in set-up, and where
@@ -474,7 +489,7 @@ class _TorchCommunicator(Communicator):
         if destroyed:  # let go of them, so that they are torn down now where nothing else holds them
             self._group = self._obj_group = self._local_group = self._store = None
             self._block_group = self._leader_group = None
-            self._header_bufs = {}  # its native calls are the groups' bound methods
+            self._header_bufs, self._carry = {}, None  # its native calls are the groups' bound methods
 
     # ------------------------------------------------------------------ transport
     # Waits longer than a slice look, between slices, at Ctrl-C and at the peers' processes. A
@@ -593,12 +608,22 @@ class _TorchCommunicator(Communicator):
             cached = self._opts_cache = (timeout, opts)
         return cached[1]
 
-    def _exchange_slots(self, slot: bytearray, size: int, timeout: float | None) -> tuple[memoryview, _Alike]:
+    def _exchange_slots(self, slot: bytearray, size: int, timeout: float | None,
+                        carry: Sequence[memoryview] = ()) -> tuple[memoryview, _Alike]:
+        self._carry = None
         if self._world > _frame.SMALL_WORLD:
-            return self._gather_headers(slot, size, timeout)
+            return self._gather_headers(slot, size, timeout, carry)
         return super()._exchange_slots(slot, size, timeout)
 
-    def _gather_headers(self, slot: bytearray, size: int, timeout: float | None) -> tuple[memoryview, _Alike]:
+    def _carried(self, root: int, total: int) -> memoryview | None:
+        # rank 0 wrote them into the summary when it was the root and the odd slot (every other
+        # slot alike: the broadcast's common case) and they fit: what every rank can tell from the
+        # summary and the root's slot
+        carry = self._carry
+        return carry[:total] if carry is not None and root == 0 and 0 < total <= carry.nbytes else None
+
+    def _gather_headers(self, slot: bytearray, size: int, timeout: float | None,
+                        carry: Sequence[memoryview] = ()) -> tuple[memoryview, _Alike]:
         """Every rank's slot, in native collectives over the blocks of ``_header_blocks``, in two levels.
 
         Up: each block's first rank gathers its block's slots (one message from each rank), and rank 0
@@ -606,6 +631,8 @@ class _TorchCommunicator(Communicator):
         when every slot but at most one is the same (agreement-only calls, broadcast, scatter: the
         common slot and the odd one), or else the whole table after the summary that says so: to the
         blocks' first ranks, each of which broadcasts it in its block (gloo's binomial trees).
+        When rank 0 is a broadcast's root and its slot the odd one, the summary also carries the
+        segments that follow its slot (``carry``), where they fit (``SUMMARY_CARRY``).
         A rank alone in its block, or that leads none, makes two native calls (three with the table);
         one that leads a block of several, four (six). With one block (set-up, small worlds) it is a
         gather and a broadcast."""
@@ -621,10 +648,16 @@ class _TorchCommunicator(Communicator):
             src, index, dst = b.take
             np.take(src, index, axis=0, out=dst)
         sview = b.sview
-        if b.table is not None:  # rank 0
-            _summarize(b.table, world, size, sview)
+        if b.table is not None and _summarize(b.table, world, size, sview) == 0 and carry:  # rank 0, the root
+            n = sum(seg.nbytes for seg in carry)
+            if n <= SUMMARY_CARRY:
+                pos = 0
+                for seg in carry:
+                    b.carry[pos : pos + seg.nbytes] = _frame.flat(seg)
+                    pos += seg.nbytes
         self._post_calls(b.down, timeout)
         odd = _I64.unpack_from(sview, 0)[0] - 1
+        self._carry = b.carry if odd == 0 else None
         # what the summary says of the table, for the pipeline's agreement (``_frame.agreed``)
         alike = None if odd == -2 else (odd, bytes(sview[8 : 8 + size]))
         if odd == -2:
@@ -673,7 +706,7 @@ class _TorchCommunicator(Communicator):
                     take = (into.numpy().reshape(-1, size), index, out.numpy().reshape(world, size))
             up.append((leaders.gather, (outs, [held]), "GatherOptions",
                        0 if me == 0 else wide, (len(blocks) - 1) * wide if me == 0 else 0))
-        summary = torch.zeros(8 + 2 * size, dtype=torch.uint8)  # odd rank + 1 (0: none; -1: the table follows)
+        summary = torch.zeros(_summary_size(size), dtype=torch.uint8)  # odd rank + 1 (0: none; -1: the table follows)
 
         def down(buf: torch.Tensor) -> list[_Call]:  # rank 0's buf to the blocks' first ranks, then in each block
             n = buf.numel()
@@ -682,8 +715,9 @@ class _TorchCommunicator(Communicator):
                     for group, members, v in ((leaders, len(blocks), i), (self._block_group, len(block), pos))
                     if group is not None and members > 1]
 
+        sview = memoryview(summary.numpy())  # type: ignore[arg-type]
         return _HeaderBufs(table, out, memoryview(out.numpy()), mine, held, up,  # type: ignore[arg-type]
-                           take, down(summary), down(out), summary, memoryview(summary.numpy()))  # type: ignore[arg-type]
+                           take, down(summary), down(out), summary, sview, sview[8 + 2 * size :])
 
     def _scatter_slots(self, root: int, subs: list[bytearray], size: int, timeout: float | None) -> torch.Tensor | None:
         # beyond small worlds in one native scatter: the root's sends are posted in C++, not a

@@ -19,6 +19,7 @@ import torch
 import distcomm
 from distcomm import _frame
 from distcomm._communicator import _broadcast_tree
+from distcomm._torch import _summary_size
 from distcomm.testing import FakeCommunicator, run_threaded, spawn
 from tests.contract import header_blocks
 
@@ -173,7 +174,7 @@ def _header_bytes(r: int, n: int, blocks: list[list[int]] | None, table: bool = 
             received += (leaders - 1) * wide
         else:
             sent += wide
-    for down in [8 + 2 * slot] + ([n * slot] if table else []):
+    for down in [_summary_size(slot)] + ([n * slot] if table else []):
         if lead:
             sent += _children(leaders, i) * down
             received += down if i else 0
@@ -643,3 +644,87 @@ def test_results_outlive_the_reused_header_buffers(layout: str) -> None:
 
     for gathered, sent in spawn(fn, 6, timeout=120, serializer=_TINY_OOB):
         assert gathered == [[q * 10 + i for q in range(6)] for i in range(3)] and sent == 7
+
+
+def _sized(comm: distcomm.Communicator, n: int) -> bytes:
+    """A bytes object whose serialized segments add up to exactly ``n`` bytes."""
+    k = n
+    while sum(s.nbytes for s in comm.serializer.dumps(b"x" * k)) > n:
+        k -= 1
+    obj = b"x" * k
+    assert sum(s.nbytes for s in comm.serializer.dumps(obj)) == n
+    return obj
+
+
+def _carried_broadcasts(comm: distcomm.Communicator) -> dict[str, Any]:
+    """Broadcasts of small payloads beyond 4 ranks: what each rank got, and its bytes for each call
+    beside a barrier's (the header exchange alone)."""
+    from distcomm._torch import SUMMARY_CARRY
+
+    r = comm.rank
+    cases: dict[str, tuple[Any, int]] = {
+        "fits": (_sized(comm, SUMMARY_CARRY), 0),
+        "one byte over": (_sized(comm, SUMMARY_CARRY + 1), 0),
+        "from rank 3": (_sized(comm, 100), 3),
+        "out of band": ({"a": np.arange(9, dtype=np.int16), "s": "seed"}, 0),  # a stream and a buffer
+        "seed": (None, 0),
+    }
+    comm.reset_stats()
+    comm.synchronize()
+    out: dict[str, Any] = {"barrier": (comm.stats["barrier"].bytes_sent, comm.stats["barrier"].bytes_received)}
+    kept = []
+    for name, (obj, root) in cases.items():
+        comm.reset_stats()
+        if name == "seed":
+            got = comm.shared_random_seed()
+            st = comm.stats["shared_random_seed"]
+            kept.append(got)
+            out[name] = (comm.all_gather(got), (st.bytes_sent, st.bytes_received))
+            continue
+        got = comm.broadcast(obj if r == root else None, src=root)
+        st = comm.stats["broadcast"]
+        kept.append(got)
+        value = got if not isinstance(got, dict) else (got["a"].tolist(), got["s"])
+        out[name] = (value, (st.bytes_sent, st.bytes_received))
+    comm.all_gather(b"y" * SUMMARY_CARRY)  # later calls reuse the summary: the results are the ranks' own
+    comm.broadcast(b"z" * 200 if r == 0 else None)
+    out["kept"] = [k if not isinstance(k, dict) else (k["a"].tolist(), k["s"]) for k in kept]
+    out["sizes"] = {name: sum(s.nbytes for s in comm.serializer.dumps(obj)) for name, (obj, _) in cases.items()}
+    # a rank in another collective: the summary is the same size in every op, so every rank learns it
+    for other in (lambda: comm.gather(r), lambda: comm.broadcast(b"s", src=5)):
+        try:
+            other() if r == 5 else comm.broadcast(b"s" * 10 if r == 0 else None)
+        except distcomm.CollectiveMismatchError as e:
+            out.setdefault("mismatch", []).append("rank 5: " in str(e))
+    out["after"] = comm.all_gather(r)
+    return out
+
+
+@pytest.mark.parametrize("layout", ["one machine", "hosts of one rank"])
+def test_small_broadcast_from_rank_0_rides_in_the_header_summary(layout: str) -> None:
+    """A broadcast from rank 0 whose segments fit ``SUMMARY_CARRY`` travels in the header exchange's
+    summary: no rank sends or receives more than in a barrier. One byte more, or another root, and
+    it goes in a broadcast of its own after the exchange. Every rank gets the payload either way."""
+    def fn(comm: distcomm.Communicator) -> Any:
+        with _header_layout(comm, layout):
+            return _carried_broadcasts(comm)
+
+    results = spawn(fn, 6, timeout=120, serializer=_TINY_OOB)
+    want = results[0]
+    assert want["fits"][0] == b"x" * len(want["fits"][0]) and want["out of band"][0] == (list(range(9)), "seed")
+    seeds = {got["seed"][0][0] for got in results}
+    assert len(seeds) == 1 and results[0]["seed"][0] == [seeds.pop()] * 6
+    for r, got in enumerate(results):
+        assert got["mismatch"] == [True, True] and got["after"] == list(range(6)), r
+        for name in ("fits", "one byte over", "from rank 3", "out of band"):
+            assert got[name][0] == want[name][0], (r, name)
+        assert got["kept"] == [want[k][0] for k in ("fits", "one byte over", "from rank 3", "out of band")] + \
+            [want["seed"][0][0]]
+        for name in ("fits", "out of band", "seed"):  # carried: the exchange's bytes, not one more
+            assert got[name][1] == got["barrier"], (r, name)
+        for name, root in (("one byte over", 0), ("from rank 3", 3)):  # a broadcast of its own after it
+            sent, received = got[name][1]
+            if r == root:
+                assert sent > got["barrier"][0] and received == got["barrier"][1]
+            else:
+                assert received == got["barrier"][1] + want["sizes"][name], (r, name)
