@@ -162,12 +162,12 @@ class SimCommunicator(FakeCommunicator):
         self._hx: HeaderExchange | None = None
 
     def _exchange_slots(self, slot: bytearray, size: int, timeout: float | None,
-                        carry: Any = ()) -> tuple[memoryview, Any]:
+                        carry: Any = (), own: Any = ()) -> tuple[memoryview, Any]:
         t0 = time.thread_time()
         op, root, _ = self._ctx
         key = (int(op), root, size)
         if key not in self._tape:
-            raw = super()._allgather_slots(slot, size, timeout)
+            raw = super()._allgather_slots(slot, size, timeout, own)
             self._tape[key] = (bytes(raw), {s: list(q) for s, q in self._pending.items()})
         else:
             self._count(size * (self.world_size - 1), size * (self.world_size - 1))

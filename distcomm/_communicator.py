@@ -8,15 +8,17 @@ A collective runs in up to three steps, the same on every rank:
    rank's sizes, failures and what it called, so all ranks take the same decision: raise the same
    error, or go on. Small worlds exchange ``slot_bytes`` slots in one step; larger ones exchange
    64-byte header slots: the torch transports in native gathers and broadcasts over blocks of ranks
-   (the machines, or rank 0 and runs of sqrt(world) ranks), the test doubles with Bruck's all-gather
-   (log2(world) messages per rank).
+   (the machines, or rank 0 and runs of sqrt(world) ranks; a broadcast's payload from rank 0 of up
+   to a few hundred bytes rides in the summary they end with), the test doubles with Bruck's
+   all-gather (log2(world) messages per rank).
 2. Segments that did not fit move into buffers of their exact size, sent from the sender's own
    memory. Nobody pads to the largest rank; a rank that needs nothing gets nothing. Who sends what
    to whom is computed per op in closed form, O(world): all_gather and gather in one all-to-all when
    that costs no copy or only small ones (every rank decides alike, from the slots), else point to
    point; broadcast down a split binary tree in pipelined chunks; scatter as a slot per receiver with
-   that receiver's part only (beyond small worlds, of one size the root announces, holding small
-   parts whole: the one bounded padding, see ``_scatter_slot_size``), then the part if it didn't fit.
+   that receiver's part only (in small worlds, the root's slot in step 1 itself; beyond, after it, of
+   one size the root announces, holding small parts whole: the one bounded padding, see
+   ``_scatter_slot_size``), then the part if it didn't fit.
 3. Each receiver deserializes; out-of-band buffers become the results' memory. Python's cyclic
    garbage collector waits while large results load.
 
@@ -1488,7 +1490,9 @@ class Communicator(abc.ABC):
         carry: list[memoryview] = []  # a broadcast root's segments that follow its slot (see _exchange_slots)
         if kind is _BROADCAST and self.rank == root and status == _frame.OK and mine.later:
             carry = [seg for seg, (_, inline) in zip(parts[0], tables[0], strict=True) if inline is None]
-        raw, alike = self._exchange_slots(slot, size, timeout, carry)
+        # in small worlds a scatter's root sends each rank the slot of its part in the first exchange
+        own = subs if kind is _SCATTER and status == _frame.OK and self.world_size <= _frame.SMALL_WORLD else []
+        raw, alike = self._exchange_slots(slot, size, timeout, carry, own)
         slots = _Slots(raw, size, self.rank, mine)
         # max_bytes caps serialized payloads (set-up precedes agreement on it; inline words aren't payloads)
         cap = self.max_bytes if serialize and op is not _SETUP else None
@@ -1560,7 +1564,9 @@ class Communicator(abc.ABC):
             totals = _tree_gather_totals(slots, self.world_size, root, self._TREE_GATHER_BYTES)
             if totals is not None:
                 return self._tree_gather(op, root, parts, slots, totals, timeout)
-        if kind is _SCATTER:
+        if kind is _SCATTER and self.world_size <= _frame.SMALL_WORLD:  # the root's slot was this rank's own
+            slots = _Slots(b"", size, 0, None if self.rank == root else slots[root])
+        elif kind is _SCATTER:
             slots = self._deliver_scatter_slots(op, seq, root, subs, size, timeout, slots)
         plan = self._plan(kind, root, parts, tables, slots)
         if plan.recv_buf is not None:
@@ -1586,15 +1592,17 @@ class Communicator(abc.ABC):
         self._exchange(sends, recvs, timeout)
 
     def _exchange_slots(self, slot: bytearray, size: int, timeout: float | None,
-                        carry: Sequence[memoryview] = ()) -> tuple[memoryview, _Alike]:
+                        carry: Sequence[memoryview] = (), own: Sequence[bytearray] = ()) -> tuple[memoryview, _Alike]:
         """The pipeline's first exchange: every rank's slot (``_allgather_slots``), and what the
         exchange learnt of how alike they are, for ``_frame.agreed``: (k, c), every slot but slot k
         (-1: none) is c, byte for byte; None where it learnt nothing (this default).
 
         ``carry``: on a broadcast's root, the segments that follow its slot. A transport whose
         exchange ends in a broadcast from the root may send them with it (``_carried`` says where
-        they went); this default doesn't."""
-        return self._allgather_slots(slot, size, timeout), None
+        they went); this default doesn't.
+        ``own``: in small worlds, on a scatter's root, the slot of each rank's part: rank r receives
+        ``own[r]`` where the others receive ``slot``."""
+        return self._allgather_slots(slot, size, timeout, own), None
 
     def _carried(self, root: int, total: int) -> memoryview | None:
         """The ``total`` bytes of ``root``'s broadcast segments where the last ``_exchange_slots``
@@ -1602,8 +1610,9 @@ class Communicator(abc.ABC):
         answer; None: they weren't, and go in ``_broadcast_buffer``. This default carries nothing."""
         return None
 
-    def _allgather_slots(self, slot: bytearray, size: int, timeout: float | None) -> memoryview:
-        """Every rank's slot of ``size`` bytes, in rank order, flat.
+    def _allgather_slots(self, slot: bytearray, size: int, timeout: float | None,
+                         own: Sequence[bytearray] = ()) -> memoryview:
+        """Every rank's slot of ``size`` bytes, in rank order, flat (``own``: see ``_exchange_slots``).
 
         Small worlds use the transport's one-step exchange (``_allgather_small``). Larger ones run
         Bruck's all-gather over point to point: ceil(log2(world)) rounds, in round k each rank sends
@@ -1614,7 +1623,9 @@ class Communicator(abc.ABC):
         world, me = self.world_size, self.rank
         if world <= _frame.SMALL_WORLD:
             self._count(size * (world - 1), size * (world - 1))
-            return self._allgather_small(slot, size, timeout)
+            return self._allgather_small(slot, size, timeout, own)
+        if own:
+            raise ValueError(f"slots of each rank's own are sent in worlds of up to {_frame.SMALL_WORLD} ranks")
         buf = torch.empty(world * size, dtype=torch.uint8)  # block j holds rank (me + j) % world
         view = memoryview(buf.numpy())  # type: ignore[arg-type]
         view[:size] = slot
@@ -1628,15 +1639,18 @@ class Communicator(abc.ABC):
         first = (world - me) % world * size  # where rank 0's slot is
         return memoryview(bytes(view[first:]) + bytes(view[:first]))
 
-    def _allgather_small(self, slot: bytearray, size: int, timeout: float | None) -> memoryview:
-        """The small-world slot exchange; this default sends the slot to every peer point to point."""
+    def _allgather_small(self, slot: bytearray, size: int, timeout: float | None,
+                         own: Sequence[bytearray] = ()) -> memoryview:
+        """The small-world slot exchange (``own``: see ``_exchange_slots``); this default sends the
+        slot to every peer point to point."""
         world, me = self.world_size, self.rank
         out = torch.empty(world * size, dtype=torch.uint8)
         view = memoryview(out.numpy())  # type: ignore[arg-type]
         view[me * size : (me + 1) * size] = slot
         mine = torch.frombuffer(bytearray(slot), dtype=torch.uint8)
         peers = [r for r in range(world) if r != me]
-        self._exchange([(r, mine) for r in peers], [(r, out[r * size : (r + 1) * size]) for r in peers], timeout)
+        sends = [(r, torch.frombuffer(own[r], dtype=torch.uint8) if own else mine) for r in peers]
+        self._exchange(sends, [(r, out[r * size : (r + 1) * size]) for r in peers], timeout)
         return view
 
     _SCATTER_SLOT_MAX = 4 << 10
@@ -1706,8 +1720,8 @@ class Communicator(abc.ABC):
     def _deliver_scatter_slots(
         self, op: Op, seq: int, root: int, subs: list[bytearray], size: int, timeout: float | None, slots: _Slots
     ) -> _Slots:
-        """Scatter's second exchange: the root sends each rank the slot of its own part only, of the
-        size its header slot announced (``_scatter_slot_size``)."""
+        """Scatter's second exchange beyond small worlds: the root sends each rank the slot of its
+        own part only, of the size its header slot announced (``_scatter_slot_size``)."""
         size = len(subs[root]) if self.rank == root else self._announced_slot_size(op, seq, root, slots[root], size)
         buf = self._scatter_slots(root, subs, size, timeout)
         if buf is None:

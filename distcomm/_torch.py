@@ -609,11 +609,11 @@ class _TorchCommunicator(Communicator):
         return cached[1]
 
     def _exchange_slots(self, slot: bytearray, size: int, timeout: float | None,
-                        carry: Sequence[memoryview] = ()) -> tuple[memoryview, _Alike]:
+                        carry: Sequence[memoryview] = (), own: Sequence[bytearray] = ()) -> tuple[memoryview, _Alike]:
         self._carry = None
         if self._world > _frame.SMALL_WORLD:
             return self._gather_headers(slot, size, timeout, carry)
-        return super()._exchange_slots(slot, size, timeout)
+        return super()._exchange_slots(slot, size, timeout, carry, own)
 
     def _carried(self, root: int, total: int) -> memoryview | None:
         # rank 0 wrote them into the summary when it was the root and the odd slot (every other
@@ -734,7 +734,8 @@ class _TorchCommunicator(Communicator):
         self._native(self._obj_group.scatter, ([buf], ins, self._opts("ScatterOptions", timeout, root=root)), timeout)
         return None if me == root else buf
 
-    def _allgather_small(self, slot: bytearray, size: int, timeout: float | None) -> memoryview:
+    def _allgather_small(self, slot: bytearray, size: int, timeout: float | None,
+                         own: Sequence[bytearray] = ()) -> memoryview:
         # An all-to-all of the slot repeated once per rank (small worlds only): gloo runs it as
         # direct pairwise exchanges on the tensors' own memory, which on loopback takes about two
         # thirds of the time of its all-gather (a ring behind flatten-and-copy steps).
@@ -746,8 +747,9 @@ class _TorchCommunicator(Communicator):
             send, out = torch.empty(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8)
             bufs = self._slot_bufs = (send, memoryview(send.numpy()), out, memoryview(out.numpy()))  # type: ignore[arg-type]
         send, send_view, out, out_view = bufs
-        for r in range(self._world):
-            send_view[r * size : (r + 1) * size] = slot
+        me = self._rank
+        for r in range(self._world):  # a scatter's root: each rank's own slot (its part)
+            send_view[r * size : (r + 1) * size] = own[r] if own and r != me else slot
         try:
             work = self._obj_group.alltoall_base(out, send, [], [], self._alltoall_opts(timeout))
         except Exception as e:

@@ -152,6 +152,30 @@ def test_wrong_scatter_length(world: str) -> None:
         assert after == [0, 1]
 
 
+def scatter_failures(comm: distcomm.Communicator) -> Any:
+    """Scatters in a small world, whose root sends each rank its part in the first exchange: a
+    part that can't be pickled, one over max_bytes, a rank in another collective."""
+    r = comm.rank
+    unpicklable = [threading.Lock() if i == 2 else i for i in range(3)]
+    large = ["x" * (2_000_000 if i == 1 else 10) for i in range(3)]
+    return (outcome(lambda: comm.scatter(unpicklable if r == 0 else None)),
+            outcome(lambda: comm.scatter(large if r == 0 else None)),
+            outcome(lambda: comm.broadcast(r) if r == 2 else comm.scatter([0, 1, 2] if r == 0 else None)),
+            comm.scatter([f"part {i}" for i in range(3)] if r == 1 else None, src=1))
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_scatter_failures_in_a_small_world(world: str) -> None:
+    results = run(world, scatter_failures, 3, max_bytes=1_000_000)
+    for k in range(3):  # the same error on every rank, word for word
+        assert len({got[k][:3] for got in results}) == 1, [got[k] for got in results]
+    for r, (unpicklable, large, mismatch, after) in enumerate(results):
+        assert unpicklable[0] == "SerializationError" and unpicklable[2] == (0,) and "lock" in unpicklable[1], r
+        assert large[0] == "PayloadTooLargeError" and large[2] == (0,) and "over max_bytes" in large[1], r
+        assert mismatch[0] == "CollectiveMismatchError" and "rank 2: broadcast" in mismatch[1], r
+        assert after == f"part {r}"
+
+
 @pytest.mark.parametrize("world", WORLDS)
 def test_payload_over_max_bytes(world: str) -> None:
     for err, after in run(world, too_large, 2, max_bytes=1_000_000):

@@ -128,6 +128,42 @@ def test_small_scatter_parts_travel_in_their_slots_gloo() -> None:
         _check_scatters(r, 8, out, _one(8))
 
 
+def _check_small_world_scatters(r: int, n: int, out: dict[str, Any]) -> None:
+    """Up to 4 ranks a scatter takes one exchange: the root's slot that each rank receives holds
+    that rank's part (where it fits ``slot_bytes``), and only a part that doesn't fit follows."""
+    slots = (n - 1) * 4096
+    for name, (src, ok, sent, received, sizes) in out.items():
+        assert ok, name
+        over = [m if _frame.table_size([1]) + m > 4096 else 0 for m in sizes]
+        if r == src:
+            assert (sent, received) == (slots + sum(m for i, m in enumerate(over) if i != src), slots), name
+        else:
+            assert (sent, received) == (slots, slots + over[r]), name
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_scatter_parts_travel_in_the_first_exchange_in_small_worlds_threaded(n: int) -> None:
+    for r, out in enumerate(run_threaded(_scatters, n, timeout=60)):
+        _check_small_world_scatters(r, n, out)
+
+
+def test_scatter_parts_travel_in_the_first_exchange_in_small_worlds_gloo() -> None:
+    for r, out in enumerate(spawn(_scatters, 4, timeout=120)):
+        _check_small_world_scatters(r, 4, out)
+
+
+@pytest.mark.parametrize("rank", [0, 1, 2])
+def test_fake_scatter_in_a_small_world_as_its_root_would(rank: int) -> None:
+    parts = [{"i": i, "s": "x" * (5000 if i == 1 else 10)} for i in range(3)]
+    comm = FakeCommunicator(rank, 3, peers=lambda op, r, obj: parts if op == "scatter" else obj)
+    for src in (0, 2):
+        comm.reset_stats()
+        assert comm.scatter(parts if rank == src else None, src=src) == parts[rank]
+        s = comm.stats["scatter"]
+        sizes = [sum(seg.nbytes for seg in comm.serializer.dumps(p)) for p in parts]
+        _check_small_world_scatters(rank, 3, {"x": (src, True, s.bytes_sent, s.bytes_received, sizes)})
+
+
 def _bytes_per_call(comm: distcomm.Communicator) -> dict[str, tuple[int, int]]:
     r, n = comm.rank, comm.world_size
     comm.reset_stats()

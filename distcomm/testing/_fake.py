@@ -220,6 +220,9 @@ class FakeCommunicator(Communicator):
                 return _frame.encode(op, seq, root, 0, [], size)
             part_slot = self._scatter_slot_size(parts, root, size)
             sub, mine, decoded = self._build_slot(op, seq, root, 0, [parts[me]], part_slot)
+            if self._size <= _frame.SMALL_WORLD:  # the slot of this rank's part comes in the exchange
+                self._feed(r, self._later(decoded, mine, 0))
+                return sub
             self._feed(r, [memoryview(sub), *self._later(decoded, mine, 0)])
             return self._scatter_head(op, seq, root, 0, part_slot, size)[0]
         slot, parts, decoded = self._build_slot(op, seq, root, 0, parts, size)
@@ -283,7 +286,10 @@ class FakeCommunicator(Communicator):
         self._pending.setdefault(src, deque()).extend(memoryview(v).cast("B") for v in views)
 
     # ------------------------------------------------------------------ transport
-    def _allgather_slots(self, slot: bytearray, size: int, timeout: float | None) -> memoryview:
+    def _allgather_slots(self, slot: bytearray, size: int, timeout: float | None,
+                         own: Sequence[bytearray] = ()) -> memoryview:
+        if own and self._size > _frame.SMALL_WORLD:
+            raise ValueError(f"slots of each rank's own are sent in worlds of up to {_frame.SMALL_WORLD} ranks")
         self._pending = {}
         self._peer_segs = {}
         rows = [slot if r == self._rank else self._peer_slot(r, size) for r in range(self._size)]

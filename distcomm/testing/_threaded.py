@@ -7,11 +7,12 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
 
+from .. import _frame
 from .._communicator import Communicator, Op, _states_table
 from .._context import use
 from .._errors import CollectiveError, CollectiveTimeoutError, DistCommError, PeerError, RankFailedError
@@ -190,12 +191,18 @@ class ThreadedCommunicator(Communicator):
             self._holding = False
             self._world.baton.release()
 
-    def _allgather_slots(self, slot: bytearray, size: int, timeout: float | None) -> memoryview:
+    def _allgather_slots(self, slot: bytearray, size: int, timeout: float | None,
+                         own: Sequence[bytearray] = ()) -> memoryview:
         # One rendezvous at every world size: this transport's all-gather (gloo's is an all-to-all
-        # in small worlds and Bruck's algorithm beyond; both deliver the same bytes).
-        self._count(size * (self.world_size - 1), size * (self.world_size - 1))
-        parts = self._rendezvous(self._world.slots, "slot exchange", bytes(slot), timeout)
-        return memoryview(b"".join(parts))
+        # in small worlds and Bruck's algorithm beyond; both deliver the same bytes). A scatter's
+        # root in a small world leaves each rank's own slot (``own``), as gloo's all-to-all sends it.
+        world, me = self.world_size, self._rank
+        if own and world > _frame.SMALL_WORLD:
+            raise ValueError(f"slots of each rank's own are sent in worlds of up to {_frame.SMALL_WORLD} ranks")
+        self._count(size * (world - 1), size * (world - 1))
+        value = (bytes(slot), [bytes(o) for o in own] if own else None)
+        parts = self._rendezvous(self._world.slots, "slot exchange", value, timeout)
+        return memoryview(b"".join(theirs[me] if theirs and r != me else s for r, (s, theirs) in enumerate(parts)))
 
     def _rendezvous(self, table: dict[int, list[Any]], kind: str, value: Any, timeout: float | None) -> list[Any]:
         self._slot_gen += 1
