@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from distcomm import Communicator, _frame
 from distcomm._communicator import _ROUTE, Op, OpStats
-from distcomm._torch import SUMMARY_CARRY, _header_blocks, _summarize
+from distcomm._torch import SUMMARY_CARRY, SUMMARY_CARRY_ACROSS, _header_blocks, _summarize
 from distcomm.testing import FakeCommunicator
 
 MiB = 1 << 20
@@ -97,8 +97,9 @@ class HeaderExchange:
         c._world, c._rank, c._opts_made, c._cur = world, rank, {}, OpStats()
         c._obj_group = c._local_group = _StubGroup(list(range(world)), self)
         c._new_group = lambda ranks, backend: _StubGroup(ranks, self)
-        c._set_header_blocks(_header_blocks(world, [list(range(m, min(m + 8, world))) for m in range(0, world, 8)]),
-                             None)
+        machines = [list(range(m, min(m + 8, world))) for m in range(0, world, 8)]
+        c._summary_carry = SUMMARY_CARRY if len(machines) == 1 else SUMMARY_CARRY_ACROSS  # as set-up sets it
+        c._set_header_blocks(_header_blocks(world, machines), None)
         self.comm, self.world, self.rank = c, world, rank
         self.table, self.size = b"", 0
         self.carry = b""  # the segments of rank 0's broadcast that follow its slot (see _gather_headers)
@@ -120,7 +121,8 @@ class HeaderExchange:
                 buf[:] = np.frombuffer(table, dtype=np.uint8)
             else:
                 summary = memoryview(bytearray(buf.size))
-                if _summarize(table, self.world, size, summary) == 0 and 0 < len(self.carry) <= SUMMARY_CARRY:
+                odd = _summarize(table, self.world, size, summary)
+                if odd == 0 and 0 < len(self.carry) <= self.comm._summary_carry:
                     summary[8 + 2 * size : 8 + 2 * size + len(self.carry)] = self.carry  # rank 0's broadcast
                 buf[:] = np.frombuffer(summary, dtype=np.uint8)
         self.native += 1

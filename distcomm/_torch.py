@@ -108,17 +108,23 @@ if hasattr(os, "register_at_fork"):  # a forked child has none of the parent's t
 _I64 = struct.Struct("<q")
 
 SUMMARY_CARRY = 376
-"""The bytes of a broadcast's payload from rank 0 that the header exchange's summary carries
-(``_summary_size``): a broadcast from rank 0 of up to this many bytes after its slot (a seed, a dict
-of a few dozen numbers, a short list of names) takes the exchange's two native calls and no third.
-Every exchange's summary has room for them, at any op (its size can't depend on what the ranks
-agree on before they have agreed): at a slot of 64 bytes, a summary of 512."""
+"""The bytes of a broadcast's payload from rank 0 that the header exchange's summary carries in a
+world on one machine (``_summary_size``): a broadcast from rank 0 of up to this many bytes after
+its slot (a seed, a dict of a few dozen numbers, a short list of names) takes the exchange's two
+native calls and no third. Every exchange's summary has room for them, at any op (its size can't
+depend on what the ranks agree on before they have agreed): at a slot of 64 bytes, a summary of 512."""
+
+SUMMARY_CARRY_ACROSS = 64
+"""``SUMMARY_CARRY`` in a world across machines (a seed, a flag, a step count, a short name): there
+the summary crosses the network on every call, each of the blocks' first ranks sending it to each
+of its children, so it stays short (a barrier's busiest rank then sends 1.8x torch's on the wire at
+8 hosts, against 1.7x with no room at all and 2.6x with the room of one machine)."""
 
 
-def _summary_size(size: int) -> int:
+def _summary_size(size: int, carry: int) -> int:
     """The header exchange's summary for slots of ``size`` bytes: the odd rank + 1, the common
-    slot, the odd slot (``_summarize``), then ``SUMMARY_CARRY`` bytes of a broadcast's payload."""
-    return 8 + 2 * size + SUMMARY_CARRY
+    slot, the odd slot (``_summarize``), then ``carry`` bytes of a broadcast's payload."""
+    return 8 + 2 * size + carry
 
 
 def _summarize(table: bytes | bytearray | memoryview, world: int, size: int, out: memoryview) -> int:
@@ -217,6 +223,21 @@ _Call = tuple[Callable[..., Any], tuple[Any, ...], str, int, int]
 its options, the bytes it sends and receives on this rank."""
 
 
+class _Calls:
+    """A run of the header exchange's native calls (``_post_calls``), made once per layout: with
+    the bytes they move on this rank, and each one's post and arguments with the options of the
+    last timeout they ran with (a deadline's shrinking timeout makes them again, from the cache of
+    options)."""
+
+    __slots__ = ("calls", "posts", "received", "sent", "timeout")
+
+    def __init__(self, calls: list[_Call]) -> None:
+        self.calls = calls
+        self.sent, self.received = sum(c[3] for c in calls), sum(c[4] for c in calls)
+        self.timeout: float | None = None
+        self.posts: list[tuple[Callable[..., Any], tuple[Any, ...]]] | None = None
+
+
 class _HeaderBufs(NamedTuple):
     """One rank's buffers for the header exchange (``_TorchCommunicator._make_header_bufs``)."""
 
@@ -225,14 +246,14 @@ class _HeaderBufs(NamedTuple):
     view: memoryview  # of ``out``
     mine: torch.Tensor  # this rank's row of ``out``: what it sends in its block
     held: torch.Tensor  # what it sends up to rank 0 (a block's first rank: its block's slots)
-    up: list[_Call]  # the native calls up: in the block, then among the blocks' first ranks
+    up: _Calls  # the native calls up: in the block, then among the blocks' first ranks
     take: tuple[Any, Any, Any] | None  # rank 0, where the blocks' tables aren't laid out as the table:
     # np.take's (blocks' tables, index, the table), as numpy arrays over the buffers
-    down: list[_Call]  # the summary's way down: to the blocks' first ranks, then within each block
-    down_table: list[_Call]  # the table's, the same way, when the summary says it follows
+    down: _Calls  # the summary's way down: to the blocks' first ranks, then within each block
+    down_table: _Calls  # the table's, the same way, when the summary says it follows
     summary: torch.Tensor
     sview: memoryview  # of ``summary``
-    carry: memoryview  # the summary's last SUMMARY_CARRY bytes: a broadcast's payload from rank 0
+    carry: memoryview  # the summary's room for a broadcast's payload from rank 0 (_summary_carry bytes)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -336,6 +357,7 @@ class _TorchCommunicator(Communicator):
         self._table_index: np.ndarray[Any, Any] | None = None  # see _table_index
         self._header_bufs: dict[int, _HeaderBufs] = {}  # per slot size, for this layout (_make_header_bufs)
         self._carry: memoryview | None = None  # see _carried
+        self._summary_carry = SUMMARY_CARRY_ACROSS  # until set-up knows the machines (every rank alike)
         self._machine_key = _machine_key(machine)
         self._seq = -1  # set-up is call #0: the user's calls count from 1, as in the test doubles
         try:  # as a collective: other ranks' error messages then say this rank is in set-up, and where
@@ -403,6 +425,7 @@ class _TorchCommunicator(Communicator):
 
     def _set_machines(self, machines: list[list[int]]) -> None:
         super()._set_machines(machines)
+        self._summary_carry = SUMMARY_CARRY if len(machines) == 1 else SUMMARY_CARRY_ACROSS
         for members in machines:  # every rank creates every machine's group, in the same order
             group = self._group if len(machines) == 1 else self._new_group(members, self._local_backend())
             if self._rank in members:
@@ -632,7 +655,8 @@ class _TorchCommunicator(Communicator):
         common slot and the odd one), or else the whole table after the summary that says so: to the
         blocks' first ranks, each of which broadcasts it in its block (gloo's binomial trees).
         When rank 0 is a broadcast's root and its slot the odd one, the summary also carries the
-        segments that follow its slot (``carry``), where they fit (``SUMMARY_CARRY``).
+        segments that follow its slot (``carry``), where they fit (``SUMMARY_CARRY``; across
+        machines ``SUMMARY_CARRY_ACROSS``).
         A rank alone in its block, or that leads none, makes two native calls (three with the table);
         one that leads a block of several, four (six). With one block (set-up, small worlds) it is a
         gather and a broadcast."""
@@ -650,7 +674,7 @@ class _TorchCommunicator(Communicator):
         sview = b.sview
         if b.table is not None and _summarize(b.table, world, size, sview) == 0 and carry:  # rank 0, the root
             n = sum(seg.nbytes for seg in carry)
-            if n <= SUMMARY_CARRY:
+            if n <= b.carry.nbytes:
                 pos = 0
                 for seg in carry:
                     b.carry[pos : pos + seg.nbytes] = _frame.flat(seg)
@@ -666,10 +690,15 @@ class _TorchCommunicator(Communicator):
             return _expand(sview, world, size), alike
         return b.view, alike
 
-    def _post_calls(self, calls: list[_Call], timeout: float | None) -> None:
-        for post, args, kind, sent, received in calls:
-            self._count(sent, received)
-            self._native(post, (*args, self._opts(kind, timeout, root=0)), timeout)
+    def _post_calls(self, run: _Calls, timeout: float | None) -> None:
+        posts = run.posts
+        if posts is None or run.timeout != timeout:
+            posts = run.posts = [(post, (*args, self._opts(kind, timeout, root=0)))
+                                 for post, args, kind, _, _ in run.calls]
+            run.timeout = timeout
+        self._count(run.sent, run.received)
+        for post, args in posts:
+            self._native(post, args, timeout)
 
     def _make_header_bufs(self, size: int) -> _HeaderBufs:
         """The header exchange's buffers for slots of ``size`` bytes in this rank's place in the
@@ -706,17 +735,18 @@ class _TorchCommunicator(Communicator):
                     take = (into.numpy().reshape(-1, size), index, out.numpy().reshape(world, size))
             up.append((leaders.gather, (outs, [held]), "GatherOptions",
                        0 if me == 0 else wide, (len(blocks) - 1) * wide if me == 0 else 0))
-        summary = torch.zeros(_summary_size(size), dtype=torch.uint8)  # odd rank + 1 (0: none; -1: the table follows)
+        # odd rank + 1 (0: none; -1: the table follows), the common slot, the odd one, the room for a broadcast
+        summary = torch.zeros(_summary_size(size, self._summary_carry), dtype=torch.uint8)
 
-        def down(buf: torch.Tensor) -> list[_Call]:  # rank 0's buf to the blocks' first ranks, then in each block
+        def down(buf: torch.Tensor) -> _Calls:  # rank 0's buf to the blocks' first ranks, then in each block
             n = buf.numel()
-            return [(group.broadcast, ([buf],), "BroadcastOptions", _binomial_children(members, v) * n,
-                     0 if v == 0 else n)
-                    for group, members, v in ((leaders, len(blocks), i), (self._block_group, len(block), pos))
-                    if group is not None and members > 1]
+            return _Calls([(group.broadcast, ([buf],), "BroadcastOptions", _binomial_children(members, v) * n,
+                            0 if v == 0 else n)
+                           for group, members, v in ((leaders, len(blocks), i), (self._block_group, len(block), pos))
+                           if group is not None and members > 1])
 
         sview = memoryview(summary.numpy())  # type: ignore[arg-type]
-        return _HeaderBufs(table, out, memoryview(out.numpy()), mine, held, up,  # type: ignore[arg-type]
+        return _HeaderBufs(table, out, memoryview(out.numpy()), mine, held, _Calls(up),  # type: ignore[arg-type]
                            take, down(summary), down(out), summary, sview, sview[8 + 2 * size :])
 
     def _scatter_slots(self, root: int, subs: list[bytearray], size: int, timeout: float | None) -> torch.Tensor | None:

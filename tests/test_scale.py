@@ -19,7 +19,7 @@ import torch
 import distcomm
 from distcomm import _frame
 from distcomm._communicator import _broadcast_tree
-from distcomm._torch import _summary_size
+from distcomm._torch import SUMMARY_CARRY, SUMMARY_CARRY_ACROSS, _summary_size
 from distcomm.testing import FakeCommunicator, run_threaded, spawn
 from tests.contract import header_blocks
 
@@ -186,13 +186,14 @@ def _one(n: int) -> list[list[int]]:
     return [list(range(n))]
 
 
-def _header_bytes(r: int, n: int, blocks: list[list[int]] | None, table: bool = False) -> tuple[int, int]:
+def _header_bytes(r: int, n: int, blocks: list[list[int]] | None, table: bool = False,
+                  carry: int = SUMMARY_CARRY) -> tuple[int, int]:
     """What the header exchange costs rank r of n, sent and received: Bruck's all-gather (the
     doubles: ``blocks`` None), or gloo's exchange over ``blocks``. Up: a gather in each block to its
     first rank, and one of the blocks' tables (padded to the widest block) from those ranks to rank
     0. Down: gloo's binomial broadcasts of a summary (the common slot and the odd one) to the
     blocks' first ranks, then within each block, and when the slots differ more (``table``) of the
-    whole table after it."""
+    whole table after it. ``carry``: the summary's room for a broadcast (one machine's, by default)."""
     slot = _frame.HEADER_SLOT
     if blocks is None:
         return (n - 1) * slot, (n - 1) * slot
@@ -210,7 +211,7 @@ def _header_bytes(r: int, n: int, blocks: list[list[int]] | None, table: bool = 
             received += (leaders - 1) * wide
         else:
             sent += wide
-    for down in [_summary_size(slot)] + ([n * slot] if table else []):
+    for down in [_summary_size(slot, carry)] + ([n * slot] if table else []):
         if lead:
             sent += _children(leaders, i) * down
             received += down if i else 0
@@ -405,11 +406,12 @@ def _headers_in(comm: distcomm.Communicator, layout: str) -> dict[str, Any]:
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_header_exchange_over_blocks_gloo(layout: str) -> None:
     n, blocks = 6, LAYOUTS[layout]
+    carry = SUMMARY_CARRY_ACROSS if layout == "machines of 2" else SUMMARY_CARRY  # (machines, or one machine)
     results = spawn(lambda comm: _headers_in(comm, layout), n, timeout=120)
     for r, got in enumerate(results):
-        assert got["barrier"] == _header_bytes(r, n, blocks)
+        assert got["barrier"] == _header_bytes(r, n, blocks, carry=carry)
         assert got["all_gather"][0] == [{"r": i, "s": "x" * i} for i in range(n)]
-        assert got["all_gather"][1] >= _header_bytes(r, n, blocks, table=True)[1]  # (the sizes differ)
+        assert got["all_gather"][1] >= _header_bytes(r, n, blocks, table=True, carry=carry)[1]  # (the sizes differ)
         assert got["broadcast"] == {"from": 3}
         assert got["gather"] == ([i * 10 for i in range(n)] if r == 2 else [])
         assert got["scatter"] == f"part {r}"
@@ -692,15 +694,14 @@ def _sized(comm: distcomm.Communicator, n: int) -> bytes:
     return obj
 
 
-def _carried_broadcasts(comm: distcomm.Communicator) -> dict[str, Any]:
-    """Broadcasts of small payloads beyond 4 ranks: what each rank got, and its bytes for each call
-    beside a barrier's (the header exchange alone)."""
-    from distcomm._torch import SUMMARY_CARRY
-
+def _carried_broadcasts(comm: distcomm.Communicator, room: int) -> dict[str, Any]:
+    """Broadcasts of small payloads beyond 4 ranks, where the summary has ``room`` bytes for them:
+    what each rank got, and its bytes for each call beside a barrier's (the header exchange alone)."""
     r = comm.rank
+    assert comm._summary_carry == room  # type: ignore[attr-defined]
     cases: dict[str, tuple[Any, int]] = {
-        "fits": (_sized(comm, SUMMARY_CARRY), 0),
-        "one byte over": (_sized(comm, SUMMARY_CARRY + 1), 0),
+        "fits": (_sized(comm, room), 0),
+        "one byte over": (_sized(comm, room + 1), 0),
         "from rank 3": (_sized(comm, 100), 3),
         "out of band": ({"a": np.arange(9, dtype=np.int16), "s": "seed"}, 0),  # a stream and a buffer
         "seed": (None, 0),
@@ -722,7 +723,7 @@ def _carried_broadcasts(comm: distcomm.Communicator) -> dict[str, Any]:
         kept.append(got)
         value = got if not isinstance(got, dict) else (got["a"].tolist(), got["s"])
         out[name] = (value, (st.bytes_sent, st.bytes_received))
-    comm.all_gather(b"y" * SUMMARY_CARRY)  # later calls reuse the summary: the results are the ranks' own
+    comm.all_gather(b"y" * room)  # later calls reuse the summary: the results are the ranks' own
     comm.broadcast(b"z" * 200 if r == 0 else None)
     out["kept"] = [k if not isinstance(k, dict) else (k["a"].tolist(), k["s"]) for k in kept]
     out["sizes"] = {name: sum(s.nbytes for s in comm.serializer.dumps(obj)) for name, (obj, _) in cases.items()}
@@ -732,18 +733,22 @@ def _carried_broadcasts(comm: distcomm.Communicator) -> dict[str, Any]:
             other() if r == 5 else comm.broadcast(b"s" * 10 if r == 0 else None)
         except distcomm.CollectiveMismatchError as e:
             out.setdefault("mismatch", []).append("rank 5: " in str(e))
-    out["after"] = comm.all_gather(r)
+    out["after"], out["room"] = comm.all_gather(r), room
     return out
 
 
-@pytest.mark.parametrize("layout", ["one machine", "hosts of one rank"])
+@pytest.mark.parametrize("layout", ["one machine", "hosts of one rank", "machines of 2"])
 def test_small_broadcast_from_rank_0_rides_in_the_header_summary(layout: str) -> None:
-    """A broadcast from rank 0 whose segments fit ``SUMMARY_CARRY`` travels in the header exchange's
-    summary: no rank sends or receives more than in a barrier. One byte more, or another root, and
-    it goes in a broadcast of its own after the exchange. Every rank gets the payload either way."""
+    """A broadcast from rank 0 whose segments fit the summary's room (``SUMMARY_CARRY`` on one
+    machine, ``SUMMARY_CARRY_ACROSS`` across machines) travels in the header exchange's summary: no
+    rank sends or receives more than in a barrier. One byte more, or another root, and it goes in a
+    broadcast of its own after the exchange. Every rank gets the payload either way."""
     def fn(comm: distcomm.Communicator) -> Any:
-        with _header_layout(comm, layout):
-            return _carried_broadcasts(comm)
+        if layout == "machines of 2":  # declared machines: the summary crosses the network
+            comm.create_local_groups(2)
+            return _carried_broadcasts(comm, SUMMARY_CARRY_ACROSS)
+        with _header_layout(comm, layout):  # blocks laid out so, on this one machine
+            return _carried_broadcasts(comm, SUMMARY_CARRY)
 
     results = spawn(fn, 6, timeout=120, serializer=_TINY_OOB)
     want = results[0]
@@ -756,11 +761,12 @@ def test_small_broadcast_from_rank_0_rides_in_the_header_summary(layout: str) ->
             assert got[name][0] == want[name][0], (r, name)
         assert got["kept"] == [want[k][0] for k in ("fits", "one byte over", "from rank 3", "out of band")] + \
             [want["seed"][0][0]]
-        for name in ("fits", "out of band", "seed"):  # carried: the exchange's bytes, not one more
-            assert got[name][1] == got["barrier"], (r, name)
-        for name, root in (("one byte over", 0), ("from rank 3", 3)):  # a broadcast of its own after it
+        for name, root in (("fits", 0), ("one byte over", 0), ("from rank 3", 3), ("out of band", 0), ("seed", 0)):
             sent, received = got[name][1]
-            if r == root:
-                assert sent > got["barrier"][0] and received == got["barrier"][1]
+            if name == "seed" or (root == 0 and want["sizes"][name] <= want["room"]):
+                assert (sent, received) == got["barrier"], (r, name)  # carried: the exchange's bytes, no more
+            elif r == root:  # a broadcast of its own after the exchange
+                assert sent > got["barrier"][0] and received == got["barrier"][1], (r, name)
             else:
                 assert received == got["barrier"][1] + want["sizes"][name], (r, name)
+    assert want["sizes"]["out of band"] > SUMMARY_CARRY_ACROSS  # (carried on one machine only)
