@@ -148,8 +148,9 @@ def _summarize(table: bytes | bytearray | memoryview, world: int, size: int, out
         return b - a <= 1 or data.startswith(rows[(a + 1) * size : b * size], a * size)
 
     odd, common = -1, 0
-    if not alike(0, world):
-        if world >= 3 and alike(1, world):
+    # (the two common cases inline: every slot alike; every slot but slot 0, a broadcast from rank 0)
+    if world > 1 and not data.startswith(rows[size:], 0):
+        if world >= 3 and data.startswith(rows[2 * size :], size):
             odd, common = 0, 1
         else:  # the first slot unlike slot 0, then whether every slot after it is slot 0 again
             lo, hi = 1, world - 1
@@ -167,8 +168,13 @@ def _summarize(table: bytes | bytearray | memoryview, world: int, size: int, out
         return odd
     out[8 : 8 + size] = rows[common * size : (common + 1) * size]
     # no odd slot: zeros, not the slot of an earlier call's summary (``out`` is reused from call to call)
-    out[8 + size : 8 + 2 * size] = rows[odd * size : (odd + 1) * size] if odd >= 0 else bytes(size)
+    out[8 + size : 8 + 2 * size] = rows[odd * size : (odd + 1) * size] if odd >= 0 else _zeros(size)
     return odd
+
+
+@functools.lru_cache(maxsize=8)
+def _zeros(size: int) -> bytes:
+    return bytes(size)
 
 
 def _expand(summary: memoryview, world: int, size: int) -> memoryview:
