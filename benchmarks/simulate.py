@@ -211,9 +211,8 @@ class SimCommunicator(FakeCommunicator):
             return b""
         key = (-1, root, size)
         if key not in self._tape:
-            segs = self.serializer.dumps(self.objs[0])
-            _, mine = _frame.encode_slot(op, 1, 0, 0, [segs], size)
-            later = b"".join(bytes(s) for s, (_, inline) in zip(segs, mine.parts[0], strict=True) if inline is None)
+            _, parts, mine = self._build_slot(op, 1, 0, 0, [self.serializer.dumps(self.objs[0])], size)
+            later = b"".join(bytes(s) for s, (_, inline) in zip(parts[0], mine.parts[0], strict=True) if inline is None)
             self._tape[key] = (later, {})
         return self._tape[key][0]
 

@@ -1475,6 +1475,10 @@ class Communicator(abc.ABC):
             bad = next((d.message for _, _, d in built if d.header.status), None)
             if bad is not None:
                 status, message = _frame.INVALID, bad
+            elif (over := self._over_max_bytes(max(d.header.total for _, _, d in built))) is not None:
+                # a part as it travels (packed, when its table doesn't fit its slot) is what its
+                # receiver checks against max_bytes: refused here, so that every rank refuses it
+                status, message = _frame.TOO_LARGE, f"a part as it travels: {over}"
             tables = [d.parts[0] if d.parts else [] for _, _, d in built]
         if status != _frame.OK:
             slot = _frame.encode_status(status, op, seq, root, message, size)

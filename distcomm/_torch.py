@@ -673,18 +673,21 @@ class _TorchCommunicator(Communicator):
         b.view[me * size : (me + 1) * size] = slot
         if self._leader_group is not None and block == [me]:  # it leads a block of its own
             b.held[:size] = b.mine
+        # rank 0, a broadcast's root: its payload into the summary's room now, before any native
+        # call (nothing of the user's runs between them); read only where the summary then says so
+        n = sum(seg.nbytes for seg in carry) if b.table is not None else 0
+        if 0 < n <= b.carry.nbytes:
+            pos = 0
+            for seg in carry:
+                b.carry[pos : pos + seg.nbytes] = _frame.flat(seg)
+                pos += seg.nbytes
         self._post_calls(b.up, timeout)
         if b.take is not None:  # rank 0: one pass in C over the blocks' tables, not a step per block
             src, index, dst = b.take
             np.take(src, index, axis=0, out=dst)
         sview = b.sview
-        if b.table is not None and _summarize(b.table, world, size, sview) == 0 and carry:  # rank 0, the root
-            n = sum(seg.nbytes for seg in carry)
-            if n <= b.carry.nbytes:
-                pos = 0
-                for seg in carry:
-                    b.carry[pos : pos + seg.nbytes] = _frame.flat(seg)
-                    pos += seg.nbytes
+        if b.table is not None:  # rank 0
+            _summarize(b.table, world, size, sview)
         self._post_calls(b.down, timeout)
         odd = _I64.unpack_from(sview, 0)[0] - 1
         self._carry = b.carry if odd == 0 else None

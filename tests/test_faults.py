@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import distcomm
+from distcomm import _frame
 from distcomm.testing import RankFailedError, run_threaded, spawn
 
 
@@ -162,6 +163,34 @@ def scatter_failures(comm: distcomm.Communicator) -> Any:
             outcome(lambda: comm.scatter(large if r == 0 else None)),
             outcome(lambda: comm.broadcast(r) if r == 2 else comm.scatter([0, 1, 2] if r == 0 else None)),
             comm.scatter([f"part {i}" for i in range(3)] if r == 1 else None, src=1))
+
+
+def _packed_parts() -> list[Any]:
+    # part 1's 30 out-of-band arrays don't fit a 256-byte slot's table: it travels packed
+    return [np.arange(3), [np.full(65_540, i, dtype=np.uint8) for i in range(30)], "small"]
+
+
+def packed_part_over_max_bytes(comm: distcomm.Communicator) -> Any:
+    parts = _packed_parts()
+    return outcome(lambda: comm.scatter(parts if comm.rank == 0 else None)), comm.all_gather(comm.rank)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_scatter_part_over_max_bytes_as_it_travels(world: str) -> None:
+    """A part over max_bytes only as it travels (packed), though all the parts' segments add up to
+    under it: the root refuses it, and every rank raises the same error (its receiver checks
+    what it receives against max_bytes)."""
+    dumps = distcomm.PickleSerializer().dumps
+    segments = [dumps(p) for p in _packed_parts()]
+    total = sum(s.nbytes for segs in segments for s in segs)
+    packed = _frame.packed_size(segments[1])
+    assert total < packed
+    limit = (total + packed) // 2
+    results = run(world, packed_part_over_max_bytes, 3, slot_bytes=256, max_bytes=limit)
+    assert len({(err[0], str(err[1]), err[2]) for err, _ in results}) == 1, [err[0] for err, _ in results]
+    for r, (err, after) in enumerate(results):
+        assert err[0] == "PayloadTooLargeError" and err[2] == (0,) and "as it travels" in err[1], (r, err)
+        assert after == [0, 1, 2]
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -66,7 +66,7 @@ def test_fake_scatter_at_1024(rank: int) -> None:
 
 
 def _scatters(comm: distcomm.Communicator) -> dict[str, Any]:
-    """Two scatters beyond 4 ranks: small parts, and small parts but one over ``slot_bytes``; what
+    """Two scatters: small parts, and small parts but one over ``slot_bytes`` (from 4 ranks); what
     each rank got, sent and received, and the bytes of each serialized part."""
     r, n = comm.rank, comm.world_size
     out: dict[str, Any] = {}
@@ -733,6 +733,10 @@ def _carried_broadcasts(comm: distcomm.Communicator, room: int) -> dict[str, Any
             other() if r == 5 else comm.broadcast(b"s" * 10 if r == 0 else None)
         except distcomm.CollectiveMismatchError as e:
             out.setdefault("mismatch", []).append("rank 5: " in str(e))
+    try:  # rank 0 alone broadcasts (its payload in the summary's room), the others in a barrier
+        comm.broadcast(b"s" * 10) if r == 0 else comm.synchronize()
+    except distcomm.CollectiveMismatchError as e:
+        out.setdefault("mismatch", []).append("rank 0: broadcast" in str(e))
     out["after"], out["room"] = comm.all_gather(r), room
     return out
 
@@ -756,7 +760,7 @@ def test_small_broadcast_from_rank_0_rides_in_the_header_summary(layout: str) ->
     seeds = {got["seed"][0][0] for got in results}
     assert len(seeds) == 1 and results[0]["seed"][0] == [seeds.pop()] * 6
     for r, got in enumerate(results):
-        assert got["mismatch"] == [True, True] and got["after"] == list(range(6)), r
+        assert got["mismatch"] == [True, True, True] and got["after"] == list(range(6)), r
         for name in ("fits", "one byte over", "from rank 3", "out of band"):
             assert got[name][0] == want[name][0], (r, name)
         assert got["kept"] == [want[k][0] for k in ("fits", "one byte over", "from rank 3", "out of band")] + \

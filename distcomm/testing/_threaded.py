@@ -33,7 +33,7 @@ class _World:
         # thousand threads doesn't convoy on one lock; the rendezvous tables have a lock of their own.
         self.lock = threading.Lock()
         self.conds = [threading.Condition() for _ in range(size)]
-        self.slots: dict[int, list[Any]] = {}  # bytes per rank, by generation
+        self.slots: dict[int, list[Any]] = {}  # each rank's slot (and a scatter root's per rank), by generation
         self.reduces: dict[int, list[Any]] = {}  # tensors per rank, by generation
         self.taken: dict[tuple[str, int], int] = {}
         self.mail: dict[tuple[int, int], deque[bytes]] = {}
