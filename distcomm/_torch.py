@@ -431,11 +431,12 @@ class _TorchCommunicator(Communicator):
 
     def _set_machines(self, machines: list[list[int]]) -> None:
         super()._set_machines(machines)
-        self._summary_carry = SUMMARY_CARRY if len(machines) == 1 else SUMMARY_CARRY_ACROSS
         for members in machines:  # every rank creates every machine's group, in the same order
             group = self._group if len(machines) == 1 else self._new_group(members, self._local_backend())
             if self._rank in members:
                 self._local_group = group
+        # the summary's room, just before the buffers that hold it are made again
+        self._summary_carry = SUMMARY_CARRY if len(machines) == 1 else SUMMARY_CARRY_ACROSS
         self._set_header_blocks(_header_blocks(self._world, machines),
                                 machines if self._obj_group is self._group else None)
 
