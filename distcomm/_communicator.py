@@ -1472,13 +1472,7 @@ class Communicator(abc.ABC):
             part_slot = self._scatter_slot_size(parts, root, size)
             built = [self._build_slot(op, seq, root, digest, [p], part_slot) for p in parts]
             subs, parts = [s for s, _, _ in built], [p[0] for _, p, _ in built]
-            bad = next((d.message for _, _, d in built if d.header.status), None)
-            if bad is not None:
-                status, message = _frame.INVALID, bad
-            elif (over := self._over_max_bytes(max(d.header.total for _, _, d in built))) is not None:
-                # a part as it travels (packed, when its table doesn't fit its slot) is what its
-                # receiver checks against max_bytes: refused here, so that every rank refuses it
-                status, message = _frame.TOO_LARGE, f"a part as it travels: {over}"
+            status, message = self._scatter_slots_problem([d for _, _, d in built])
             tables = [d.parts[0] if d.parts else [] for _, _, d in built]
         if status != _frame.OK:
             slot = _frame.encode_status(status, op, seq, root, message, size)
@@ -1693,6 +1687,18 @@ class Communicator(abc.ABC):
                 return n
             held -= n
         return size
+
+    def _scatter_slots_problem(self, decoded: list[_frame.Slot]) -> tuple[int, str]:
+        """What a scatter's root reports of the slots of its parts (``decoded``): a status and a
+        message (OK, ""). A part as it travels (packed, when its table doesn't fit its slot) is what
+        its receiver checks against max_bytes: refused here, so that every rank refuses it."""
+        bad = next((d.message for d in decoded if d.header.status), None)
+        if bad is not None:
+            return _frame.INVALID, bad
+        over = self._over_max_bytes(max((d.header.total for d in decoded), default=0))
+        if over is not None:
+            return _frame.TOO_LARGE, f"a part as it travels: {over}"
+        return _frame.OK, ""
 
     @staticmethod
     def _scatter_head(op: Op, seq: int, root: int, digest: int, sub: int, size: int) -> tuple[bytearray, _frame.Slot]:

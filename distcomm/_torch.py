@@ -168,13 +168,8 @@ def _summarize(table: bytes | bytearray | memoryview, world: int, size: int, out
         return odd
     out[8 : 8 + size] = rows[common * size : (common + 1) * size]
     # no odd slot: zeros, not the slot of an earlier call's summary (``out`` is reused from call to call)
-    out[8 + size : 8 + 2 * size] = rows[odd * size : (odd + 1) * size] if odd >= 0 else _zeros(size)
+    out[8 + size : 8 + 2 * size] = rows[odd * size : (odd + 1) * size] if odd >= 0 else bytes(size)
     return odd
-
-
-@functools.lru_cache(maxsize=8)
-def _zeros(size: int) -> bytes:
-    return bytes(size)
 
 
 def _expand(summary: memoryview, world: int, size: int) -> memoryview:

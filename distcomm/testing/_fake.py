@@ -219,12 +219,11 @@ class FakeCommunicator(Communicator):
             if r != root:
                 return _frame.encode(op, seq, root, 0, [], size)
             part_slot = self._scatter_slot_size(parts, root, size)
-            # that root's check of its parts as they travel (packed where a table doesn't fit its slot)
-            travel = max(_frame.packed_size(p) if _frame.table_size([len(p)]) > part_slot else sum(x.nbytes for x in p)
-                         for p in parts)
-            if (over := self._over_max_bytes(travel)) is not None:
-                return self._status_slot(r, _frame.TOO_LARGE, f"a part as it travels: {over}", size)
-            sub, mine, decoded = self._build_slot(op, seq, root, 0, [parts[me]], part_slot)
+            built = [self._build_slot(op, seq, root, 0, [p], part_slot) for p in parts]  # as that root builds them
+            status, message = self._scatter_slots_problem([d for _, _, d in built])
+            if status != _frame.OK:
+                return self._status_slot(r, status, message, size)
+            sub, mine, decoded = built[me]
             if self._size <= _frame.SMALL_WORLD:  # the slot of this rank's part comes in the exchange
                 self._feed(r, self._later(decoded, mine, 0))
                 return sub
