@@ -44,8 +44,9 @@ import torch
 import torch.distributed as dist
 
 from distcomm import Communicator, _frame
-from distcomm._communicator import _ROUTE, Op, OpStats
-from distcomm._torch import SUMMARY_CARRY, SUMMARY_CARRY_ACROSS, _header_blocks, _summarize
+from distcomm._calls import OpStats
+from distcomm._header_exchange import SUMMARY_CARRY, SUMMARY_CARRY_ACROSS, gather_headers, header_blocks, summarize
+from distcomm._routes import BROADCAST, ROUTES, build_slot
 from distcomm.testing import FakeCommunicator
 
 MiB = 1 << 20
@@ -84,7 +85,7 @@ class _StubGroup:
 
 
 class HeaderExchange:
-    """The gloo communicator's header exchange (``_gather_headers``), its real code on one rank of a
+    """The gloo communicator's header exchange (``gather_headers``), its real code on one rank of a
     world on machines of 8 (one machine up to 8 ranks), with gloo's groups stubbed: each native call
     lands what gloo would from the whole table, and that landing is the transport's time. So the
     exchange's own Python (buffers, views, rank 0's table and summary, the others' table from it,
@@ -99,10 +100,10 @@ class HeaderExchange:
         c._new_group = lambda ranks, backend: _StubGroup(ranks, self)
         machines = [list(range(m, min(m + 8, world))) for m in range(0, world, 8)]
         c._summary_carry = SUMMARY_CARRY if len(machines) == 1 else SUMMARY_CARRY_ACROSS  # as set-up sets it
-        c._set_header_blocks(_header_blocks(world, machines), None)
+        c._set_header_blocks(header_blocks(world, machines), None)
         self.comm, self.world, self.rank = c, world, rank
         self.table, self.size = b"", 0
-        self.carry = b""  # the segments of rank 0's broadcast that follow its slot (see _gather_headers)
+        self.carry = b""  # the segments of rank 0's broadcast that follow its slot (see gather_headers)
         self.transport_s, self.native = 0.0, 0
         self._landings: dict[int, tuple[Any, Any, Any]] = {}
 
@@ -121,7 +122,7 @@ class HeaderExchange:
                 buf[:] = np.frombuffer(table, dtype=np.uint8)
             else:
                 summary = memoryview(bytearray(buf.size))
-                odd = _summarize(table, self.world, size, summary)
+                odd = summarize(table, self.world, size, summary)
                 if odd == 0 and 0 < len(self.carry) <= self.comm._summary_carry:
                     summary[8 + 2 * size : 8 + 2 * size + len(self.carry)] = self.carry  # rank 0's broadcast
                 buf[:] = np.frombuffer(summary, dtype=np.uint8)
@@ -146,7 +147,7 @@ class HeaderExchange:
         """This rank's exchange of ``slot`` where every rank's slots are ``table`` (and rank 0's
         broadcast segments after its slot ``root_carry``)."""
         self.table, self.size, self.carry = table, size, root_carry
-        return self.comm._gather_headers(slot, size, None, carry)  # type: ignore[no-any-return]
+        return gather_headers(self.comm, slot, size, None, carry)
 
 
 class SimCommunicator(FakeCommunicator):
@@ -166,7 +167,8 @@ class SimCommunicator(FakeCommunicator):
     def _exchange_slots(self, slot: bytearray, size: int, timeout: float | None,
                         carry: Any = (), own: Any = ()) -> tuple[memoryview, Any]:
         t0 = time.thread_time()
-        op, root, _ = self._ctx
+        assert self._call is not None
+        op, root = self._call.op, self._call.root
         key = (int(op), root, size)
         if key not in self._tape:
             raw = super()._allgather_slots(slot, size, timeout, own)
@@ -207,11 +209,11 @@ class SimCommunicator(FakeCommunicator):
 
     def _root_carry(self, op: Any, root: int, size: int) -> bytes:
         """The segments of rank 0's broadcast that follow its slot, as rank 0 would carry them."""
-        if self.rank == 0 or root != 0 or _ROUTE[op] is not _ROUTE[Op.BROADCAST]:
+        if self.rank == 0 or root != 0 or ROUTES[op] is not BROADCAST:
             return b""
         key = (-1, root, size)
         if key not in self._tape:
-            _, parts, mine = self._build_slot(op, 1, 0, 0, [self.serializer.dumps(self.objs[0])], size)
+            _, parts, mine = build_slot(op, 1, 0, 0, [self.serializer.dumps(self.objs[0])], size)
             later = b"".join(bytes(s) for s, (_, inline) in zip(parts[0], mine.parts[0], strict=True) if inline is None)
             self._tape[key] = (later, {})
         return self._tape[key][0]

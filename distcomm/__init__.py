@@ -38,7 +38,8 @@ from ._api import (
     shared_random_seed,
     synchronize,
 )
-from ._communicator import DEFAULT_TIMEOUT, Communicator, OpStats
+from ._calls import OpStats
+from ._communicator import DEFAULT_TIMEOUT, Communicator
 from ._context import current, use
 from ._errors import (
     CollectiveError,
@@ -59,6 +60,14 @@ from ._serialization import PickleSerializer, SafeSerializer, Serializer
 from ._torch import GlooCommunicator, NcclCommunicator
 
 __version__ = "0.1.0"
+
+# Public classes report the package, not the private module they live in: reprs, tracebacks and
+# pickles don't change when the code moves between private modules.
+for _cls in (Communicator, LocalCommunicator, GlooCommunicator, NcclCommunicator, OpStats, Serializer,
+             PickleSerializer, SafeSerializer, DistCommError, CollectiveError, CollectiveMismatchError,
+             CollectiveTimeoutError, CommunicatorStateError, FrameError, PayloadTooLargeError, PeerError,
+             RankFailedError, SerializationError, UnsafePayloadError):
+    _cls.__module__ = __name__
 
 
 def __getattr__(name: str) -> _Any:

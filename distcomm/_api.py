@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ._communicator import Communicator
 from ._context import active, current
+from ._torch import GlooCommunicator, NcclCommunicator
 
 __all__ = [
     "all_gather",
@@ -105,10 +106,6 @@ def _for_group(group: Any) -> Communicator:
     # collectively by every member of that group on first use.
     sub = comm._children.get(group)
     if sub is None:
-        import torch.distributed as dist
-
-        from ._torch import GlooCommunicator, NcclCommunicator
-
         kwargs: dict[str, Any] = {"timeout": comm.timeout, "serializer": comm.serializer, "max_bytes": comm.max_bytes}
         if "nccl" in str(dist.get_backend(group)).lower():  # its tensor collectives run where the group runs
             device = getattr(comm, "device", None)

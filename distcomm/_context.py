@@ -11,28 +11,18 @@ from typing import Any
 import torch.distributed as dist
 
 from ._communicator import Communicator
+from ._defaults import clear_default, get_default, set_default
 from ._errors import CommunicatorStateError
 from ._local import LocalCommunicator
+from ._torch import GlooCommunicator, NcclCommunicator
 
-__all__ = ["current", "use"]
+__all__ = ["clear_default", "current", "set_default", "use"]
 
 _ACTIVE: contextvars.ContextVar[Communicator | None] = contextvars.ContextVar("distcomm_active", default=None)
 
 # The communicator adopted implicitly over torch.distributed's default group when none is
 # installed, keyed by that group (so a destroyed and re-created group gets a new one).
 _implicit: list[tuple[Any, Communicator]] = []
-
-# The process-wide default: the communicator that owns the job's default group (made by launch(),
-# from_env() or spawn()). Every thread sees it; use() overrides it per thread or task.
-_default: list[Communicator] = []
-
-
-def set_default(comm: Communicator | None) -> None:
-    """Make ``comm`` the process-wide default communicator (None: no default)."""
-    _default.clear()
-    if comm is not None:
-        _default.append(comm)
-
 
 @contextlib.contextmanager
 def use(comm: Communicator) -> Iterator[Communicator]:
@@ -50,17 +40,11 @@ def use(comm: Communicator) -> Iterator[Communicator]:
         _ACTIVE.reset(token)
 
 
-def clear_default(comm: Communicator) -> None:
-    """No process-wide default any more, if it was ``comm``."""
-    if _default and _default[0] is comm:
-        _default.clear()
-
-
 def active() -> Communicator | None:
     """The communicator installed with use() in this thread or task, else the process-wide default, or None."""
     comm = _ACTIVE.get()
-    if comm is None and _default and not _default[0]._closed:
-        comm = _default[0]
+    if comm is None:
+        comm = get_default()
     return comm
 
 
@@ -88,8 +72,6 @@ def current() -> Communicator:
                 "threads don't expect; install one with distcomm.use(comm) in this thread, or call "
                 "distcomm.current() once in the main thread first")
         _implicit.clear()
-        from ._torch import GlooCommunicator, NcclCommunicator
-
         backend = str(dist.get_backend(default))
         implicit: Communicator = GlooCommunicator() if "gloo" in backend else NcclCommunicator()
         _implicit.append((default, implicit))

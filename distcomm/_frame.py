@@ -34,6 +34,8 @@ import numpy as np
 
 from ._errors import FrameError
 
+I64 = struct.Struct("<q")
+
 MAGIC = b"DCM1"
 VERSION = 3
 """3: a scatter root's header slot may announce the size of the per-rank slots (``encode_later``)."""
@@ -470,3 +472,28 @@ def inline_words(raw: memoryview | bytes | bytearray, count: int, slot_size: int
         raise FrameError(f"slot {int(np.flatnonzero(bad)[0])} doesn't carry one 8-byte value")
     words: np.ndarray[Any, Any] = arr["word"].copy()
     return words
+
+
+class Slots:
+    """The slots of one exchange, decoded on first use: a rank decodes only the slots it reads."""
+
+    def __init__(self, raw: memoryview | bytes, size: int, me: int, mine: Slot | None) -> None:
+        self._raw, self._size = raw, size
+        self._done: dict[int, Slot] = {} if mine is None else {me: mine}
+
+    def totals(self, count: int) -> np.ndarray[Any, Any]:
+        """Every slot's total (the bytes of its segments, inline ones included), as int64s: one
+        strided view, no decode. For slots that passed agreement (OK, totals not negative)."""
+        view: np.ndarray[Any, Any] = np.ndarray((count,), dtype="<i8", buffer=self._raw, offset=TOTAL_AT,
+                                                strides=(self._size,))
+        out: np.ndarray[Any, Any] = view.copy()
+        return out
+
+    def __getitem__(self, r: int) -> Slot:
+        got = self._done.get(r)
+        if got is None:
+            try:
+                got = self._done[r] = decode(self._raw[r * self._size : (r + 1) * self._size])
+            except FrameError as e:
+                raise FrameError(f"slot from rank {r} is corrupt: {e}", ranks=[r]) from e
+        return got

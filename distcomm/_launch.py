@@ -17,10 +17,11 @@ import cloudpickle
 import torch
 import torch.multiprocessing as mp
 
-from ._communicator import DEFAULT_TIMEOUT, _seconds
+from ._communicator import DEFAULT_TIMEOUT
 from ._context import clear_default, set_default, use
 from ._errors import RankFailedError
 from ._local import LocalCommunicator
+from ._memory import seconds as _seconds
 
 __all__ = ["free_port", "launch"]
 

@@ -171,9 +171,9 @@ def header_blocks(comm: distcomm.Communicator, blocks: list[list[int]]) -> Itera
 
 def exercise_in_blocks(comm: distcomm.Communicator) -> dict[str, Any]:
     """``exercise`` with the header exchange in two levels, as on hosts of one rank each."""
-    from distcomm._torch import _header_blocks
+    from distcomm import _header_exchange
 
-    with header_blocks(comm, _header_blocks(comm.world_size, [[r] for r in range(comm.world_size)])):
+    with header_blocks(comm, _header_exchange.header_blocks(comm.world_size, [[r] for r in range(comm.world_size)])):
         return exercise(comm)
 
 

@@ -68,7 +68,7 @@ def test_step2_modes_gloo(step2: str) -> None:
         check(result, local=(r, 4))
 
 
-@pytest.mark.parametrize("slot_bytes", [256, 1 << 16])
+@pytest.mark.parametrize("slot_bytes", [256, pytest.param(1 << 16, marks=pytest.mark.slow)])  # a world each
 def test_gloo_slot_sizes(slot_bytes: int) -> None:
     """A tiny slot packs segment tables; a large one inlines everything: same results."""
     results = spawn(exercise, 2, timeout=120, slot_bytes=slot_bytes)
@@ -90,7 +90,7 @@ def _results_outlive_the_next_call(comm: distcomm.Communicator) -> tuple[list[li
 
 
 @pytest.mark.parametrize("world", ["gloo", "threaded"])
-@pytest.mark.parametrize("slot_bytes", [256, 4096])
+@pytest.mark.parametrize("slot_bytes", [pytest.param(256, marks=pytest.mark.slow), 4096])  # a world each
 def test_small_out_of_band_buffers_are_the_results_own(world: str, slot_bytes: int) -> None:
     """Buffers that came inline in the slot are copied out: later calls can't change results."""
     kwargs = {"serializer": distcomm.PickleSerializer(oob_threshold=0), "slot_bytes": slot_bytes}

@@ -300,6 +300,7 @@ def _mismatched_with_small_slots(comm: distcomm.Communicator) -> str:
     return "no error"
 
 
+@pytest.mark.slow  # a gloo world of its own
 def test_mismatch_report_survives_the_call_sites_exchange_at_any_slot_size() -> None:
     """The call sites travel in an exchange of 256-byte slots: with slot_bytes=256 it reuses the
     slots' buffer, and the report still names each rank's own call."""

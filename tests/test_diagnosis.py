@@ -40,7 +40,8 @@ def split_paths(comm: distcomm.Communicator) -> Any:
     return first, comm.all_gather(comm.rank)
 
 
-@pytest.mark.parametrize("world", ["gloo", "threaded"])
+# gloo: a world of its own
+@pytest.mark.parametrize("world", [pytest.param("gloo", marks=pytest.mark.slow), "threaded"])
 def test_a_mismatch_names_each_group_of_ranks_with_its_call_site(world: str) -> None:
     out = spawn(split_paths, 4, timeout=120) if world == "gloo" else run_threaded(split_paths, 4, timeout=60)
     for first, after in out:

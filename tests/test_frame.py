@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from distcomm import FrameError, _frame
-from distcomm._torch import _expand, _summarize
+from distcomm._header_exchange import expand, summarize
 
 segments = st.lists(st.lists(st.binary(max_size=300), max_size=4), max_size=4)
 
@@ -281,20 +281,20 @@ def test_agreed_with_a_common_slot_is_the_same_check(count: int, odd: int, lengt
         assert _full_check_passes(raw, count, size, bytes(slots[me]), digests, cap)
     # what the gloo header exchange's summary says of the same slots leads to the same answer
     summary = memoryview(bytearray(8 + 2 * size))
-    k = _summarize(memoryview(raw), count, size, summary)
+    k = summarize(memoryview(raw), count, size, summary)
     if k != -2:
         alike = (k, bytes(summary[8 : 8 + size]))
         assert _frame.agreed(raw, count, size, bytes(slots[me]), digests=digests, cap=cap, common=common, odd=odd,
                              alike=alike) == got
         # a rank other than 0 holds the table the summary stands for, and its agreement needs no common slot
-        assert bytes(_expand(summary, count, size)) == raw
+        assert bytes(expand(summary, count, size)) == raw
         assert _frame.agreed(raw, count, size, bytes(slots[me]), digests=digests, cap=cap, alike=alike) == got
 
 
 @given(count=st.integers(1, 40), odd=st.lists(st.integers(0, 39), max_size=3), word=st.booleans())
 @settings(max_examples=300, deadline=None)
 def test_summary_is_the_one_odd_slot_or_none(count: int, odd: list[int], word: bool) -> None:
-    """``_summarize`` against a plain count: the common slot and the one slot that differs from it,
+    """``summarize`` against a plain count: the common slot and the one slot that differs from it,
     or -1 (the table follows) when more than one does."""
     size = 64 if word else 20
     rows = [bytes([7]) * size for _ in range(count)]
@@ -302,17 +302,17 @@ def test_summary_is_the_one_odd_slot_or_none(count: int, odd: list[int], word: b
         if r < count:
             rows[r] = bytes([i + 1]) * size
     out = memoryview(bytearray(8 + 2 * size))
-    k = _summarize(memoryview(b"".join(rows)), count, size, out)
+    k = summarize(memoryview(b"".join(rows)), count, size, out)
     word0 = struct.unpack_from("<q", out)[0]
     for whole in (bytearray(b"".join(rows)), b"".join(rows)):  # rank 0's table, read without a copy
         in_place = memoryview(bytearray(8 + 2 * size))
-        assert _summarize(whole, count, size, in_place) == k and bytes(in_place) == bytes(out)
+        assert summarize(whole, count, size, in_place) == k and bytes(in_place) == bytes(out)
     with pytest.raises(ValueError, match="needs"):
-        _summarize(b"".join(rows)[:-1], count, size, out)
+        summarize(b"".join(rows)[:-1], count, size, out)
     differ = sorted({r for r in odd if r < count}) if count >= 3 else []
     if (count >= 3 and len(differ) <= 1) or (count <= 2 and len(set(rows)) <= 1):
         assert k == (differ[0] if differ else -1) and word0 == k + 1
-        assert bytes(_expand(out, count, size)) == b"".join(rows)
+        assert bytes(expand(out, count, size)) == b"".join(rows)
         assert bytes(out[8 : 8 + size]) == (bytes([7]) * size if count >= 3 else rows[0])
         if differ:
             assert bytes(out[8 + size :]) == rows[differ[0]]

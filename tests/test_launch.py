@@ -133,7 +133,8 @@ def _gloo_threads_after_close(comm: distcomm.Communicator) -> tuple[int, int]:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc to count threads")
-@pytest.mark.parametrize("world", [2, 6])  # 6: the header exchange's groups (and its calls, made once) too
+# 6: the header exchange's groups (and its calls, made once) too
+@pytest.mark.parametrize("world", [2, pytest.param(6, marks=pytest.mark.slow)])
 def test_close_tears_the_owned_groups_down_at_once(world: int) -> None:
     """The gloo threads are gone when close() returns, not left running into interpreter exit."""
     for before, after in distcomm.testing.spawn(_gloo_threads_after_close, world, timeout=90, reuse=False):

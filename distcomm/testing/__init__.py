@@ -17,3 +17,6 @@ from ._spawn import spawn
 from ._threaded import ThreadedCommunicator, run_threaded
 
 __all__ = ["Call", "FakeCommunicator", "RankFailedError", "ThreadedCommunicator", "run_threaded", "spawn"]
+
+for _cls in (Call, FakeCommunicator, ThreadedCommunicator):
+    _cls.__module__ = __name__

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime
 import functools
 import inspect
 from collections import deque
@@ -13,28 +12,25 @@ from typing import Any
 import torch
 
 from .. import _frame
-from .._communicator import (
-    _COLLECTIVES,
-    _I64,
-    _ROUTE,
-    Communicator,
-    Op,
-    _all_to_all_problem,
-    _broadcast_tree,
-    _dict_problem,
-    _dict_signature,
-    _reduce_digest,
-    _Slots,
-    _tensor_fields,
-    _tree_gather_totals,
-)
+from .._all_to_all import all_to_all_problem
+from .._calls import CallSpec, Op
+from .._communicator import COLLECTIVES, Communicator
+from .._ops import object_op, tensor_op
+from .._reductions import dict_problem, dict_signature, fold_payload, reduce_digest
+from .._routes import BROADCAST, GATHER, ROUTES, SCATTER, build_slot, over_max_bytes
+from .._routes.broadcast import received_from
+from .._routes.gather import subtrees, tree_gather_totals
+from .._routes.scatter import part_slot_size, parts_problem, scatter_head
 from .._serialization import failure_text
+from .._tensors import tensor_fields, tensor_input_problem
 
 __all__ = ["Call", "FakeCommunicator"]
 
 PeerFn = Callable[[str, int, Any], Any]
 
 _TENSOR_OPS = (Op.ALL_REDUCE, Op.REDUCE, Op.BROADCAST_TENSOR, Op.ALL_GATHER_TENSOR, Op.REDUCE_SCATTER_TENSOR)
+_TENSOR_LABELS = {op.label for op in _TENSOR_OPS}  # the public methods' names too
+_FOLD_OPS = (Op.REDUCE_OBJECT, Op.ALL_REDUCE_OBJECT, Op.SCAN, Op.EXSCAN)
 
 
 @dataclass(frozen=True)
@@ -70,7 +66,7 @@ class FakeCommunicator(Communicator):
         **kwargs: Communicator options (timeout, serializer, max_bytes, slot_bytes).
     """
 
-    _alone = False  # objects go through the serializer and the pipeline at every world size
+    _world_of_one_shortcut = False  # objects go through the serializer and the pipeline at every world size
 
     def __init__(self, rank: int = 0, world_size: int = 1, *, peers: PeerFn | None = None,
                  local_rank: int | None = None, local_size: int | None = None, **kwargs: Any) -> None:
@@ -85,14 +81,13 @@ class FakeCommunicator(Communicator):
         self._peers: PeerFn = peers or _same
         self.calls: list[Call] = []
         self._depth = 0
-        self._ctx: tuple[Op, int, Any] = (Op.BARRIER, -1, None)
-        self._pending: dict[int, deque[memoryview]] = {}
+        # the public collective in progress, as the user called it: its name and arguments
+        self._called: tuple[str, dict[str, Any]] = ("synchronize", {})
+        self._pending: dict[int, deque[memoryview]] = {}  # what each peer sends the rank under test, in order
         self._peer_segs: dict[int, list[memoryview]] = {}  # each peer's gather segments, for the tree
         self._peer_dicts: dict[int, Mapping[Any, torch.Tensor]] = {}
         self._names: list[Any] = []
-        self._tensor_ctx: tuple[Op, str | None, Any] = (Op.ALL_REDUCE, None, None)
-        self._fold_ctx: tuple[Op, str, Callable[[Any, Any], Any]] = (Op.REDUCE_OBJECT, "", lambda a, b: a)
-        self._step1: dict[int, Any] = {}
+        self._step1: dict[int, Any] = {}  # an object reduction's objects, by rank
 
     @property
     def rank(self) -> int:
@@ -105,6 +100,7 @@ class FakeCommunicator(Communicator):
     # ------------------------------------------------------------------ recording
     def _record(self, op: str, args: dict[str, Any], fn: Callable[[], Any]) -> Any:
         self._depth += 1
+        self._called = (op, args)
         try:
             result = fn()
         except BaseException as e:
@@ -118,34 +114,25 @@ class FakeCommunicator(Communicator):
         return result
 
     # ------------------------------------------------------------------ the scripted peers
-    def _reduce_dict(self, input_dict: Mapping[Any, torch.Tensor], average: bool, dst: int | None,
-                     timeout: float | datetime.timedelta | None) -> dict[Any, torch.Tensor]:
-        label = "reduce_dict" if dst is not None else "all_reduce_dict"
-        if isinstance(input_dict, Mapping):
-            self._peer_dicts = {r: self._peers(label, r, input_dict) for r in range(self._size) if r != self._rank}
+    def _user_reduce_op(self) -> str | None:
+        """The reduce op of the tensor collective in progress, as its transport sees it."""
+        name, args = self._called
+        return tensor_op(args["op"]) if "op" in args and name in _TENSOR_LABELS else None
+
+    def _start_exchange(self, spec: CallSpec) -> None:
+        """Learn what the peers need to know of a collective before its first exchange."""
+        op = spec.op
+        if op in (Op.REDUCE_DICT, Op.ALL_REDUCE_DICT) and isinstance(spec.obj, Mapping):
+            self._peer_dicts = {r: self._peers(op.label, r, spec.obj) for r in range(self._size) if r != self._rank}
             try:
-                self._names = sorted(input_dict)
+                self._names = sorted(spec.obj)
             except TypeError:
-                self._names = list(input_dict)
-        return super()._reduce_dict(input_dict, average, dst, timeout)
-
-    def _run(self, op: Op, root: int, obj: Any, timeout: float | None, **kwargs: Any) -> list[Any]:
-        self._ctx = (op, root, obj)
-        return super()._run(op, root, obj, timeout, **kwargs)
-
-    def _tensor_op(self, op: Op, root: int, tensor: torch.Tensor, rop: str | None, check: bool,
-                   timeout: float | datetime.timedelta | None) -> torch.Tensor:
-        self._tensor_ctx = (op, rop, tensor)
-        return super()._tensor_op(op, root, tensor, rop, check, timeout)
-
-    def _reduce_objects(self, op: Op, obj: Any, name: str, fn: Callable[[Any, Any], Any], root: int,
-                        timeout: float | datetime.timedelta | None) -> Any:
-        self._fold_ctx = (op, name, fn)
-        self._step1 = {self._rank: obj}
-        return super()._reduce_objects(op, obj, name, fn, root, timeout)
+                self._names = list(spec.obj)
+        elif op in _FOLD_OPS:
+            self._step1 = {self._rank: spec.obj}
 
     def _peer_tensor(self, r: int, tensor: Any) -> Any:
-        out = self._peers(self._tensor_ctx[0].label, r, tensor)
+        out = self._peers(self._called[0], r, tensor)
         return out.to(tensor.device) if isinstance(out, torch.Tensor) and isinstance(tensor, torch.Tensor) else out
 
     def _gather_tensors(self, tensor: torch.Tensor, timeout: float | None) -> list[torch.Tensor]:
@@ -161,66 +148,68 @@ class FakeCommunicator(Communicator):
 
     def _peer_slot(self, r: int, size: int) -> bytearray:
         """Peer r's slot for the call in progress; queues what r then sends to the rank under test."""
-        op, root, obj = self._ctx
+        spec = self._call
+        assert spec is not None
+        op, root, obj = spec.op, spec.root, spec.obj
         seq = self._seq
         if op in (Op.BARRIER, Op.REDUCE_DICT, Op.ALL_REDUCE_DICT):
             digest = 0
             if op is not Op.BARRIER:
-                problem = _dict_problem(self._peer_dicts[r])[1]  # a real peer would report its dict unfit
+                problem = dict_problem(self._peer_dicts[r])[1]  # a real peer would report its dict unfit
                 if problem is not None:
                     return self._status_slot(r, _frame.INVALID, problem, size)
-                digest = _reduce_digest(*_dict_signature(self._peer_dicts[r]))
+                digest = reduce_digest(*dict_signature(self._peer_dicts[r]))
             return _frame.encode(op, seq, root, digest, [], size)
         if op in _TENSOR_OPS:
-            _, rop, own = self._tensor_ctx
-            theirs = self._peer_tensor(r, own)
-            problem = self._tensor_input_problem(op, theirs, rop)
+            reduce_op = self._user_reduce_op()
+            theirs = self._peer_tensor(r, obj)
+            problem = tensor_input_problem(self, op, theirs, reduce_op)
             if problem is not None:
                 return self._status_slot(r, _frame.INVALID, problem, size)
-            digest, word = _tensor_fields(op, theirs, rop, None)
+            digest, word = tensor_fields(op, theirs, reduce_op, None)
             return _frame.encode(op, seq, root, digest, [[memoryview(word)]], size)
         if op is Op.ALL_TO_ALL:
             return self._all_to_all_slot(r, obj, size)
         if op is Op.KEYS:
-            names, shapes, work_dtype = _dict_signature(self._peer_dicts[r])
+            names, shapes, work_dtype = dict_signature(self._peer_dicts[r])
             pobj: Any = ([repr(k) for k in names], shapes, str(work_dtype))
         elif op is Op.TENSOR_INFO:
-            _, rop, own = self._tensor_ctx
-            theirs = self._peer_tensor(r, own)
-            pobj = (str(theirs.dtype), tuple(theirs.shape), rop)
+            theirs = self._peer_tensor(r, self._called[1]["tensor"])
+            pobj = (str(theirs.dtype), tuple(theirs.shape), self._user_reduce_op())
         elif op is Op.RESULT or op is Op.RESULTS:
             pobj = None
             if r == root:  # the root peer folds what every rank contributed, as a real root would
-                fop, name, fn = self._fold_ctx
+                assert spec.stat is not None  # the reduction this result is of
+                name, fn = object_op(self._called[1]["op"])
                 objs = [self._step1[i] for i in range(self._size)]
-                pobj = self._fold_payload(fop, objs, name, fn, root)
-                if fop is Op.REDUCE_OBJECT and pobj[0]:
+                pobj = fold_payload(spec.stat, objs, name, fn, root)
+                if spec.stat is Op.REDUCE_OBJECT and pobj[0]:
                     pobj = (True, None)
         else:
             pobj = self._peers(op.label, r, obj)
-            if op in (Op.REDUCE_OBJECT, Op.ALL_REDUCE_OBJECT, Op.SCAN, Op.EXSCAN):
+            if op in _FOLD_OPS:
                 self._step1[r] = pobj
             elif op is Op.SPLIT and pobj is obj:
                 # unscripted: new_group's members are known; split puts every peer in this rank's color
                 color, _, members = obj
                 pobj = ((None if r not in members else 0) if members is not None else color, r, members)
-        kind = _ROUTE[op]
-        if kind is Op.SCATTER and r == root and (not isinstance(pobj, Sequence) or len(pobj) != self._size):
+        route = ROUTES[op]
+        if route is SCATTER and r == root and (not isinstance(pobj, Sequence) or len(pobj) != self._size):
             raise ValueError(
                 f"FakeCommunicator: scatter from src={root} needs the src's list of {self._size} objects: pass "
                 f"it on the rank under test too, or script it with peers=")
-        parts, status, message = self._serialize_local(op, root, pobj, rank=r)
-        if status == _frame.OK and (over := self._over_max_bytes(sum(s.nbytes for p in parts for s in p))):
+        parts, status, message = route.serialize(self, root, pobj, r)
+        if status == _frame.OK and (over := over_max_bytes(self, sum(s.nbytes for p in parts for s in p))):
             status, message = _frame.TOO_LARGE, over  # what the peer's own check would report
         if status != _frame.OK:
             return self._status_slot(r, status, message, size)
         me = self._rank
-        if kind is Op.SCATTER:
+        if route is SCATTER:
             if r != root:
                 return _frame.encode(op, seq, root, 0, [], size)
-            part_slot = self._scatter_slot_size(parts, root, size)
-            built = [self._build_slot(op, seq, root, 0, [p], part_slot) for p in parts]  # as that root builds them
-            status, message = self._scatter_slots_problem([d for _, _, d in built])
+            part_slot = part_slot_size(self, parts, root, size)
+            built = [build_slot(op, seq, root, 0, [p], part_slot) for p in parts]  # as that root builds them
+            status, message = parts_problem(self, [d for _, _, d in built])
             if status != _frame.OK:
                 return self._status_slot(r, status, message, size)
             sub, mine, decoded = built[me]
@@ -228,35 +217,26 @@ class FakeCommunicator(Communicator):
                 self._feed(r, self._later(decoded, mine, 0))
                 return sub
             self._feed(r, [memoryview(sub), *self._later(decoded, mine, 0)])
-            return self._scatter_head(op, seq, root, 0, part_slot, size)[0]
-        slot, parts, decoded = self._build_slot(op, seq, root, 0, parts, size)
-        if kind is Op.GATHER and parts:
+            return scatter_head(op, seq, root, 0, part_slot, size)[0]
+        slot, parts, decoded = build_slot(op, seq, root, 0, parts, size)
+        if route is GATHER and parts:
             self._peer_segs[r] = parts[0]  # every segment, should the gather go up the tree
-        if kind is Op.BROADCAST:
+        if route is BROADCAST:
             if r == root and me != root:  # the root's bytes reach this rank down the broadcast's tree
                 self._feed_broadcast(root, self._later(decoded, parts, 0))
-        elif kind is not Op.GATHER or me == root:
+        elif route is not GATHER or me == root:
             self._feed(r, self._later(decoded, parts, 0))
         return slot
 
     def _feed_broadcast(self, root: int, later: list[memoryview]) -> None:
-        """What ``_tree_send`` brings this rank: its half from its parent, the other from its mate."""
-        world = self._size
-        v = (self._rank - root) % world
-        total = sum(seg.nbytes for seg in later)
-        split = total > self._BCAST_ONE_BUFFER and world > 2
-        tree = _broadcast_tree(world, v, split)
-        if tree.other is None:
-            self._feed(((tree.parent or 0) + root) % world, later)
-            return
+        """What the broadcast's tree brings this rank, from whom (the route's own plan of it)."""
         stream = memoryview(b"".join(later))
-        half = total // 2
-        mine, other = (stream[half:], stream[:half]) if tree.second else (stream[:half], stream[half:])
-        self._feed(((tree.parent or 0) + root) % world, [mine])
-        self._feed((tree.other + root) % world, [other])
+        for src, lo, hi in received_from(self, root, stream.nbytes):
+            self._feed(src, [stream[lo:hi]])
 
     def _status_slot(self, r: int, status: int, message: str, size: int) -> bytearray:
-        op, root, _ = self._ctx
+        assert self._call is not None
+        op, root = self._call.op, self._call.root
         full = _frame.message_bytes(message)
         if len(full) > size - _frame.HEADER_SIZE:  # the rest of a long message follows the slots
             self._feed(r, [memoryview(full)])
@@ -265,7 +245,7 @@ class FakeCommunicator(Communicator):
     def _all_to_all_slot(self, r: int, objs: Any, size: int) -> bytearray:
         """Peer r's all_to_all: its slot, then its part's size and its part for the rank under test."""
         theirs = self._peers("all_to_all", r, objs)
-        problem = _all_to_all_problem(theirs, self._size)  # what that rank's own check would report
+        problem = all_to_all_problem(theirs, self._size)  # what that rank's own check would report
         if problem is not None:
             return self._status_slot(r, _frame.INVALID, problem, size)
         try:
@@ -273,16 +253,16 @@ class FakeCommunicator(Communicator):
         except Exception as e:
             sent = [None if d == r else o for d, o in enumerate(theirs)]  # that rank's own entry stays there
             return self._status_slot(r, _frame.SERIALIZE_FAILED, failure_text(self.serializer, sent, e, "objs"), size)
-        over = self._over_max_bytes(sum(_frame.packed_size(segs) for d, segs in enumerate(segments) if d != r))
+        over = over_max_bytes(self, sum(_frame.packed_size(segs) for d, segs in enumerate(segments) if d != r))
         if over is not None:
             return self._status_slot(r, _frame.TOO_LARGE, over, size)
         part = _frame.pack(segments[self._rank])
-        self._feed(r, [memoryview(_I64.pack(len(part))), memoryview(part)])
+        self._feed(r, [memoryview(_frame.I64.pack(len(part))), memoryview(part)])
         return _frame.encode(Op.ALL_TO_ALL, self._seq, -1, 0, [], size)
 
     @staticmethod
     def _later(slot: _frame.Slot, parts: list[list[memoryview]], p: int) -> list[memoryview]:
-        """The segments of part ``p`` that travel after the slot (as ``_build_slot`` decoded it)."""
+        """The segments of part ``p`` that travel after the slot (as ``build_slot`` decoded it)."""
         table = slot.parts[p]
         return [seg for (_, inline), seg in zip(table, parts[p], strict=True) if inline is None and seg.nbytes]
 
@@ -294,31 +274,32 @@ class FakeCommunicator(Communicator):
                          own: Sequence[bytearray] = ()) -> memoryview:
         if own and self._size > _frame.SMALL_WORLD:
             raise ValueError(f"slots of each rank's own are sent in worlds of up to {_frame.SMALL_WORLD} ranks")
+        spec = self._call
+        assert spec is not None
         self._pending = {}
         self._peer_segs = {}
+        self._start_exchange(spec)
         rows = [slot if r == self._rank else self._peer_slot(r, size) for r in range(self._size)]
         self._count(size * (self._size - 1), size * (self._size - 1))
         raw = memoryview(b"".join(rows))
-        op, root, _ = self._ctx
-        if _ROUTE[op] is Op.GATHER and self._size > _frame.SMALL_WORLD and all(row[5] == _frame.OK for row in rows):
-            totals = _tree_gather_totals(_Slots(raw, size, 0, None), self._size, root, self._TREE_GATHER_BYTES)
+        if (ROUTES[spec.op] is GATHER and self._size > _frame.SMALL_WORLD
+                and all(row[5] == _frame.OK for row in rows)):
+            totals = tree_gather_totals(_frame.Slots(raw, size, 0, None), self._size, spec.root,
+                                        self._TREE_GATHER_BYTES)
             if totals is not None:
-                self._feed_tree(root, totals)
+                self._feed_tree(spec.root, totals)
         return raw
 
     def _feed_tree(self, root: int, totals: Any) -> None:
-        """What this rank's children in ``_tree_gather``'s tree send it: each child's subtree's
-        segments, in rank order, as one stream."""
+        """What this rank's children in the gather's tree send it: each child's subtree's segments,
+        in rank order, as one stream (the route's own tree)."""
         self._pending = {}
         world = self._size
-        v = (self._rank - root) % world
-        low = v & -v if v else 1 << max(world - 1, 1).bit_length()
-        end, k = min(v + low, world), 1
-        while k < low and v + k < world:
-            ranks = [(u + root) % world for u in range(v + k, min(v + 2 * k, end))]
+        _, children = subtrees(world, (self._rank - root) % world)
+        for first, end in children:
+            ranks = [(u + root) % world for u in range(first, end)]
             if sum(int(totals[r]) for r in ranks):
-                self._feed((v + k + root) % world, [seg for r in ranks for seg in self._peer_segs.get(r, [])])
-            k *= 2
+                self._feed((first + root) % world, [seg for r in ranks for seg in self._peer_segs.get(r, [])])
 
     def _exchange(
         self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]], timeout: float | None
@@ -363,5 +344,5 @@ def _recorded(name: str) -> Callable[..., Any]:
     return method
 
 
-for _name in _COLLECTIVES:
+for _name in COLLECTIVES:
     setattr(FakeCommunicator, _name, _recorded(_name))

@@ -13,7 +13,9 @@ from typing import Any, TypeVar
 import torch
 
 from .. import _frame
-from .._communicator import Communicator, Op, _states_table
+from .._agreement import states_table
+from .._calls import CallSpec
+from .._communicator import Communicator
 from .._context import use
 from .._errors import CollectiveError, CollectiveTimeoutError, DistCommError, PeerError, RankFailedError
 
@@ -170,23 +172,23 @@ class ThreadedCommunicator(Communicator):
             # what every rank is doing: the threads share memory, so each rank's state is read directly
             states = {r: m._state() for r, m in enumerate(self._world.members) if m is not None}
             raise CollectiveTimeoutError(f"{self._op_label} (call #{self._seq}): {e}\n"
-                                         f"{_states_table(states, self.world_size)}", op=self._op_label,
+                                         f"{states_table(states, self.world_size)}", op=self._op_label,
                                          ranks=e.ranks) from e
         finally:
             if holding:
                 self._world.baton.acquire()
                 self._holding = True
 
-    def _run(self, op: Op, root: int, obj: Any, timeout: float | None, **kwargs: Any) -> list[Any]:
+    def _run(self, spec: CallSpec) -> list[Any]:
         # A collective's own work runs holding the world's baton, which it passes on whenever it waits:
         # one rank computes at a time, so a thousand threads woken together by a rendezvous don't all
         # fight for the interpreter lock (which costs more than the work itself in large worlds).
         if self._holding:  # a collective run from within one (reduce_dict's key check)
-            return super()._run(op, root, obj, timeout, **kwargs)
+            return super()._run(spec)
         self._world.baton.acquire()
         self._holding = True
         try:
-            return super()._run(op, root, obj, timeout, **kwargs)
+            return super()._run(spec)
         finally:
             self._holding = False
             self._world.baton.release()

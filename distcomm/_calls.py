@@ -1,0 +1,100 @@
+"""What a collective call is: its id on the wire (``Op``), its counters (``OpStats``), and the one
+value the pipeline runs it from (``CallSpec``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+from . import _frame
+
+__all__ = ["CallSpec", "Op", "OpStats"]
+
+
+class Op(IntEnum):
+    """A collective's id in the slot header. Ranks that call different collectives send different
+    ids, so they disagree in the first exchange instead of exchanging the wrong bytes."""
+
+    SETUP = 1
+    BARRIER = 2
+    ALL_GATHER = 3
+    GATHER = 4
+    BROADCAST = 5
+    SCATTER = 6
+    REDUCE_DICT = 7
+    ALL_REDUCE_DICT = 8
+    KEYS = 9  # reduce_dict's keys and shapes, exchanged on the error path only
+    ALL_REDUCE = 10
+    REDUCE = 11
+    BROADCAST_TENSOR = 12
+    ALL_GATHER_TENSOR = 13
+    REDUCE_SCATTER_TENSOR = 14
+    TENSOR_INFO = 15  # the tensors' dtypes and shapes, exchanged on the error path only
+    REDUCE_OBJECT = 16
+    ALL_REDUCE_OBJECT = 17
+    SCAN = 18
+    EXSCAN = 19
+    RESULT = 20  # an object reduction's outcome, from its root to every rank
+    RESULTS = 21  # a prefix reduction's outcomes, one per rank, from rank 0
+    ALL_TO_ALL = 22
+    SPLIT = 23
+    SHARED_RANDOM_SEED = 24
+    CREATE_LOCAL_GROUPS = 25
+
+    @property
+    def label(self) -> str:
+        return _LABELS[self]
+
+
+_LABELS = {op: op.name.lower() for op in Op}
+
+
+@dataclass
+class OpStats:
+    """Counters for one kind of collective on one communicator (times in seconds)."""
+
+    calls: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    serialize_s: float = 0.0
+    transfer_s: float = 0.0
+    deserialize_s: float = 0.0
+
+
+class CallSpec:
+    """One collective as the pipeline runs it: what every rank puts in its slot, and how.
+
+    Args:
+        op: the collective's id (its route follows from it).
+        root: the root rank (-1 where there is none).
+        obj: this rank's object (read where the route serializes it).
+        timeout: seconds to wait for peers.
+        serialize: False for collectives whose slot carries only a header (barrier, the checks of
+            tensor collectives and reduce_dict): the call then returns after the first exchange.
+        digest: 8 bytes every rank must agree on (keys and shapes, dtypes), compared in the slots.
+        invalid: this rank's input is unfit: the message every rank reports (with ``status``).
+        status: the status ``invalid`` is reported with.
+        on_digest_mismatch: raises the error that names what differs, when digests disagree.
+        slot_size: the first exchange's slot size (default: the communicator's).
+        inline: with ``serialize=False``, 8 bytes every rank carries in its slot; the call then
+            returns every rank's 8 bytes as an int.
+        stat: count this call under that op (an error-path exchange of another collective).
+    """
+
+    __slots__ = ("digest", "inline", "invalid", "obj", "on_digest_mismatch", "op", "root", "serialize",
+                 "slot_size", "stat", "status", "timeout")
+
+    def __init__(self, op: Op, root: int, obj: Any, timeout: float | None, *, serialize: bool = True,
+                 digest: int = 0, invalid: str | None = None, status: int = _frame.INVALID,
+                 on_digest_mismatch: Callable[[], None] | None = None, slot_size: int | None = None,
+                 inline: bytes | None = None, stat: Op | None = None) -> None:
+        self.op, self.root, self.obj, self.timeout = op, root, obj, timeout
+        self.serialize, self.digest, self.invalid, self.status = serialize, digest, invalid, status
+        self.on_digest_mismatch, self.slot_size, self.inline, self.stat = on_digest_mismatch, slot_size, inline, stat
+
+    @property
+    def counted_as(self) -> Op:
+        """The op whose counters this call adds to."""
+        return self.op if self.stat is None else self.stat

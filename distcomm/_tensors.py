@@ -1,0 +1,230 @@
+"""Tensor collectives: all_reduce, reduce, broadcast_tensor, all_gather_tensor and
+reduce_scatter_tensor, checked across ranks in one small exchange first (unless check=False), then
+moved by the transport's native collectives. The unchecked hot path lives in the transport
+(``Communicator._unchecked_fast_path``); this is everything else, and the test doubles' way of
+moving tensors (every rank's tensor to every rank)."""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ._agreement import digest_of, odd_ones
+from ._calls import CallSpec, Op, OpStats
+from ._errors import CollectiveError, CollectiveMismatchError
+from ._frame import I64
+from ._memory import materialized
+from ._ops import fold_tensors, tensor_problem
+
+if TYPE_CHECKING:
+    from ._communicator import Communicator
+
+__all__ = ["all_gather_by_gathering", "broadcast_by_gathering", "reduce_by_gathering", "reduce_scatter_by_gathering",
+           "run_tensor_op", "tensor_fields", "tensor_input_problem"]
+
+_ZERO_WORD = bytes(8)
+
+
+class _AllGather(torch.autograd.Function):
+    """all_gather_tensor with a backward pass: the result's gradient summed across ranks, this rank's rows."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, rows: list[int],
+                timeout: float | None) -> torch.Tensor:
+        ctx.comm, ctx.rows, ctx.timeout = comm, rows, timeout
+        return _gathered(comm, x, rows, timeout)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        comm, rows = ctx.comm, ctx.rows
+        total = grad.contiguous().clone()
+        # a collective of its own (recorded by FakeCommunicator, its peers asked as for any all_reduce);
+        # unchecked: every rank's gradient has the forward result's shape
+        comm.all_reduce(total, "sum", check=False, timeout=ctx.timeout)
+        start = sum(rows[: comm.rank])
+        return total[start : start + rows[comm.rank]], None, None, None
+
+
+def tensor_fields(op: Op, tensor: Any, reduce_op: str | None, problem: str | None) -> tuple[int, bytes]:
+    """A tensor collective's check: the digest of what must match across ranks, and the 8 bytes
+    that may differ (all_gather_tensor's first dimension)."""
+    if problem is not None:
+        return 0, bytes(8)
+    shape = tuple(tensor.shape)
+    if op is Op.ALL_GATHER_TENSOR:
+        return _tensor_digest(tensor.dtype, shape[1:], reduce_op), I64.pack(shape[0] if shape else 1)
+    return _tensor_digest(tensor.dtype, shape, reduce_op), _ZERO_WORD
+
+
+@functools.lru_cache(maxsize=256)
+def _tensor_digest(dtype: torch.dtype, shape: tuple[int, ...], reduce_op: str | None) -> int:
+    return digest_of((str(dtype), shape, reduce_op))
+
+
+def tensor_input_problem(comm: Communicator, op: Op, tensor: Any, reduce_op: str | None) -> str | None:
+    """What is wrong with a rank's tensor for ``op`` (None: nothing); reported on every rank."""
+    problem = tensor_problem(tensor, reduce_op)
+    if problem is None:
+        problem = comm._device_problem(tensor)
+    world = comm.world_size
+    if problem is None and op is Op.REDUCE_SCATTER_TENSOR and (tensor.dim() == 0 or tensor.shape[0] % world):
+        problem = f"dim 0 must be a multiple of world_size {world}, got shape {tuple(tensor.shape)}"
+    return problem
+
+
+def run_tensor_op(comm: Communicator, op: Op, root: int, tensor: torch.Tensor, reduce_op: str | None, check: bool,
+               timeout: float | datetime.timedelta | None) -> torch.Tensor:
+    comm._check_usable()
+    if not isinstance(check, bool):
+        raise TypeError(f"check must be a bool, got {type(check).__name__}")
+    t = comm._op_timeout(timeout)
+    problem = tensor_input_problem(comm, op, tensor, reduce_op)
+    if problem is not None:
+        if not check:
+            raise (TypeError if not isinstance(tensor, torch.Tensor) else ValueError)(f"{op.label}: {problem}")
+        if comm._returns_at_once():
+            raise comm._world_of_one_error(op, problem)
+    gathering = op is Op.ALL_GATHER_TENSOR
+    x = tensor.reshape(1) if gathering and problem is None and tensor.dim() == 0 else tensor
+    if comm._returns_at_once():
+        return x.clone() if gathering or op is Op.REDUCE_SCATTER_TENSOR else tensor
+    st = comm._stat(op)
+    t0 = time.perf_counter()
+    if check:
+        counts = _check(comm, op, root, tensor, reduce_op, problem, t)
+    else:
+        st.calls += 1
+        comm._cur = st
+        comm._op_label = op.label
+        counts = None
+    t1 = time.perf_counter()
+    if tensor.requires_grad:  # the collectives don't record autograd (all_gather_tensor's own Function does)
+        differentiable = gathering and torch.is_grad_enabled()
+        with torch.no_grad():
+            out = _move(comm, op, root, tensor, x, reduce_op, counts, t, st, differentiable)
+    else:
+        out = _move(comm, op, root, tensor, x, reduce_op, counts, t, st, False)
+    st.serialize_s += t1 - t0
+    st.transfer_s += time.perf_counter() - t1
+    return out
+
+
+def _move(comm: Communicator, op: Op, root: int, tensor: torch.Tensor, x: torch.Tensor, reduce_op: str | None,
+                 counts: Any, t: float | None, st: OpStats, differentiable: bool) -> torch.Tensor:
+    """The transfer of a tensor collective whose inputs are checked (or unchecked by request)."""
+    world = comm.world_size
+    nbytes = x.numel() * x.element_size()
+    if op is Op.ALL_GATHER_TENSOR:
+        rows = [int(n) for n in counts] if counts is not None else [x.shape[0]] * world
+        moved = sum(rows) * (nbytes // max(x.shape[0], 1)) - nbytes  # a ring's share: everyone else's rows
+        st.bytes_sent += moved
+        st.bytes_received += moved
+        if differentiable:
+            with torch.enable_grad():
+                out: torch.Tensor = _AllGather.apply(x, comm, rows, t)  # type: ignore[no-untyped-call]
+            return out
+        return _gathered(comm, x, rows, t)
+    if op is Op.REDUCE_SCATTER_TENSOR:
+        assert reduce_op is not None
+        comm._count(nbytes * (world - 1) // world, nbytes * (world - 1) // world)
+        out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
+        comm._tensor_reduce_scatter(out, materialized(x), reduce_op, t)
+        if reduce_op == "mean":
+            out.div_(world)
+        return out
+    receiver = op is not Op.REDUCE or comm.rank == root
+    work = materialized(tensor, fresh=not receiver)
+    if op is Op.BROADCAST_TENSOR:
+        if comm.rank == root:
+            st.bytes_sent += nbytes
+        else:
+            st.bytes_received += nbytes
+        comm._tensor_broadcast(work, root, t)
+    else:
+        assert reduce_op is not None
+        moved = 2 * (world - 1) * nbytes // world
+        st.bytes_sent += moved
+        st.bytes_received += moved
+        comm._tensor_reduce(work, None if op is Op.ALL_REDUCE else root, reduce_op, t)
+        if reduce_op == "mean" and receiver:
+            work.div_(world)
+    if receiver and work is not tensor:
+        tensor.copy_(work)
+    return tensor
+
+
+def _gathered(comm: Communicator, x: torch.Tensor, rows: list[int], timeout: float | None) -> torch.Tensor:
+    out = x.new_empty((sum(rows), *x.shape[1:]))
+    comm._tensor_all_gather(out, materialized(x), rows, timeout)
+    return out
+
+
+def _check(comm: Communicator, op: Op, root: int, tensor: torch.Tensor, reduce_op: str | None, problem: str | None,
+                  timeout: float | None) -> Any:
+    """Compare the ranks' dtypes, shapes and reduce ops in one exchange; all_gather_tensor's
+    first dimensions ride along (returned, per rank)."""
+    digest, inline = tensor_fields(op, tensor, reduce_op, problem)
+    return comm._run(CallSpec(op, root, tensor, timeout, serialize=False, digest=digest, invalid=problem,
+                              inline=inline,
+                              on_digest_mismatch=lambda: _mismatch(comm, op, tensor, reduce_op, timeout)))
+
+
+def _mismatch(comm: Communicator, op: Op, tensor: torch.Tensor, reduce_op: str | None, timeout: float | None) -> None:
+    infos = comm._run(CallSpec(Op.TENSOR_INFO, -1, (str(tensor.dtype), tuple(tensor.shape), reduce_op), timeout,
+                               stat=op))
+    gathering = op is Op.ALL_GATHER_TENSOR
+
+    def key(info: tuple[str, tuple[int, ...], str | None]) -> Any:
+        return (info[0], tuple(info[1])[1:], info[2]) if gathering else info
+
+    odd = odd_ones([key(info) for info in infos])
+    rows = "\n".join(f"  rank {r}: {dtype} {tuple(shape)}" + (f" op={o!r}" if o else "")
+                     for r, (dtype, shape, o) in enumerate(infos))
+    what = ("dtype and shape beyond the first dimension" if gathering else
+            "dtype, shape and op" if reduce_op else "dtype and shape")
+    raise CollectiveMismatchError(
+        f"{op.label}: the ranks' tensors differ; every rank must pass the same {what}:\n{rows}",
+        op=op.label, ranks=odd)
+
+
+def _same_tensors(comm: Communicator, values: list[torch.Tensor], mine: torch.Tensor,
+                  rows: bool = False) -> list[torch.Tensor]:
+    """Refuse what a real transport can't combine (only reachable with check=False)."""
+    for r, v in enumerate(values):
+        if v.dtype != mine.dtype or (v.shape[1:] if rows else v.shape) != (mine.shape[1:] if rows else mine.shape):
+            raise CollectiveError(
+                f"rank {r}'s tensor ({v.dtype}, {tuple(v.shape)}) doesn't match this rank's ({mine.dtype}, "
+                f"{tuple(mine.shape)}); with check=False the transport fails (or hangs) on this", ranks=[r])
+    return values
+
+
+def reduce_by_gathering(comm: Communicator, tensor: torch.Tensor, dst: int | None, op: str,
+                        timeout: float | None) -> None:
+    """Reduce ``tensor`` in place onto ``dst`` (None: every rank); "mean" sums."""
+    values = _same_tensors(comm, comm._gather_tensors(tensor, timeout), tensor)
+    if dst is None or dst == comm.rank:
+        tensor.copy_(fold_tensors(values, op))
+
+
+def broadcast_by_gathering(comm: Communicator, tensor: torch.Tensor, src: int, timeout: float | None) -> None:
+    values = _same_tensors(comm, comm._gather_tensors(tensor, timeout), tensor)
+    tensor.copy_(values[src])
+
+
+def all_gather_by_gathering(comm: Communicator, out: torch.Tensor, tensor: torch.Tensor, rows: list[int],
+                       timeout: float | None) -> None:
+    values = _same_tensors(comm, comm._gather_tensors(tensor, timeout), tensor, rows=True)
+    if [v.shape[0] for v in values] != rows:
+        raise CollectiveError(f"the ranks' first dimensions are {[v.shape[0] for v in values]}, this rank expected "
+                              f"{rows}; with check=False every rank's must equal this rank's")
+    torch.cat(values, out=out)
+
+
+def reduce_scatter_by_gathering(comm: Communicator, out: torch.Tensor, tensor: torch.Tensor, op: str,
+                                timeout: float | None) -> None:
+    values = _same_tensors(comm, comm._gather_tensors(tensor, timeout), tensor)
+    out.copy_(fold_tensors(values, op).chunk(comm.world_size)[comm.rank])

@@ -1,0 +1,282 @@
+"""Waiting on the torch transports' native work, and failing well: slices that look at Ctrl-C and
+at the peers' processes between them, a waiter thread for point-to-point transfers, and the
+failure report that asks the job's store who reached the call and what every rank is doing."""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import os
+import queue
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, Literal, NoReturn
+
+from . import _frame
+from ._agreement import states_table
+from ._errors import CollectiveError, CollectiveTimeoutError, DistCommError, PeerError
+
+if TYPE_CHECKING:
+    from ._torch import _TorchCommunicator
+
+__all__ = ["SLICE", "alive", "timedelta_of", "fail", "interrupted", "process_id", "wait", "wait_whole"]
+
+
+@functools.lru_cache(maxsize=16)
+def timedelta_of(seconds: float) -> datetime.timedelta:
+    """Seconds as a timedelta, made once per value (the hot path's waits)."""
+    return datetime.timedelta(seconds=seconds)
+
+
+class _Waiters:
+    """Threads that wait on transport work for a caller that watches (Ctrl-C, peers' liveness):
+    kept between calls (starting a thread costs more than handing it a job); one that is stuck on a
+    wait that never ends (its communicator is broken then) is simply not reused."""
+
+    def __init__(self) -> None:
+        self._idle: list[queue.SimpleQueue[Any]] = []
+        self._lock = threading.Lock()
+
+    def run(self, fn: Callable[[], None]) -> tuple[threading.Event, list[BaseException]]:
+        with self._lock:
+            jobs = self._idle.pop() if self._idle else None
+        if jobs is None:
+            jobs = queue.SimpleQueue()
+            threading.Thread(target=self._serve, args=(jobs,), name="distcomm-wait", daemon=True).start()
+        done, failed = threading.Event(), list[BaseException]()
+        jobs.put((fn, done, failed))
+        return done, failed
+
+    def forget(self) -> None:
+        self._idle = []
+        self._lock = threading.Lock()
+
+    def _serve(self, jobs: queue.SimpleQueue[Any]) -> None:
+        while True:
+            fn, done, failed = jobs.get()
+            try:
+                fn()
+            except BaseException as e:
+                failed.append(e)
+            done.set()
+            with self._lock:
+                self._idle.append(jobs)
+
+
+WAITERS = _Waiters()
+if hasattr(os, "register_at_fork"):  # a forked child has none of the parent's threads
+    os.register_at_fork(after_in_child=WAITERS.forget)
+
+
+def process_id() -> tuple[str, int, int]:
+    """(boot id, PID namespace, pid): two ranks with the same first two can see each other's pid."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:  # not Linux: no liveness checks
+        return (f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(4)}", 0, os.getpid())
+    return (boot, namespace, os.getpid())
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # exited, not yet reaped by its parent
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+# Waits longer than a slice look, between slices, at Ctrl-C and at the peers' processes. A
+# collective's work can be waited on again after a wait times out; a point-to-point one can't (a
+# timed-out wait closes gloo's connection), so large point-to-point transfers are waited on by a
+# helper thread while this one watches, and small ones (which finish at once) in one piece.
+# A peer whose process is gone fails the wait only if the wait still needs it DEAD_GRACE seconds
+# later: a peer that did its part and exited (the end of a job) is no failure.
+SLICE = 1.0
+DEAD_GRACE = 5.0
+WATCHED_P2P_BYTES = 1 << 20
+
+
+def wait(comm: _TorchCommunicator, works: list[Any], timeout: float | None, p2p_peers: list[int] | None = None,
+          p2p_bytes: int = 0, start: float | None = None) -> None:
+    """Wait for ``works``; ``p2p_peers``: point-to-point works, and the peer of each.
+
+    Point-to-point waits are handed to a helper thread when they can last: large transfers, and
+    any in worlds beyond 4 ranks (where a peer that is late or gone leaves this rank waiting in
+    them); small ones in small worlds finish at once, and the hand-off would cost more.
+    ``start``: when the caller began waiting (its first slice ran out), for sliced waits."""
+    try:
+        if not comm._sliced_waits or (
+                p2p_peers is not None and p2p_bytes < WATCHED_P2P_BYTES
+                and comm._world <= _frame.SMALL_WORLD):
+            wait_whole(works, timeout)
+        elif p2p_peers is not None:
+            wait_watched(comm, works, timeout, p2p_peers)
+        else:
+            wait_sliced(comm, works, timeout, start)
+    except DistCommError:
+        raise
+    except Exception as e:
+        fail(comm, e, timeout)
+    except BaseException as e:
+        interrupted(comm, e)
+        raise
+
+
+def wait_whole(works: list[Any], timeout: float | None, progress: list[int] | None = None) -> None:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for i, w in enumerate(works):
+        if progress is not None:
+            progress[0] = i
+        if deadline is None:
+            w.wait()
+        elif len(works) == 1:
+            w.wait(timedelta_of(timeout))
+        else:
+            w.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+
+
+def wait_sliced(comm: _TorchCommunicator, works: list[Any], timeout: float | None, start: float | None = None) -> None:
+    deadline = None if timeout is None else (time.monotonic() if start is None else start) + timeout
+    seen: dict[int, float] = {}
+    if start is not None:  # a first slice already ran out
+        check_peers(comm, comm._peer_pids, seen)
+    for w in works:
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            step = SLICE if left is None or left > SLICE else max(left, 0.001)
+            try:
+                w.wait(timedelta_of(step))
+                break
+            except RuntimeError as e:  # a slice ran out ("Operation timed out!"), or the transport failed
+                if (left is not None and left <= SLICE) or "timed out" not in str(e).lower():
+                    raise
+            check_peers(comm, comm._peer_pids, seen)
+
+
+def wait_watched(comm: _TorchCommunicator, works: list[Any], timeout: float | None, peers: list[int]) -> None:
+    progress = [0]  # the work the helper waits on now: the ones before it are done
+    watch(comm, lambda: wait_whole(works, timeout, progress), timeout,
+                lambda: dict.fromkeys(peers[progress[0]:]))
+
+
+def watch(comm: _TorchCommunicator, fn: Callable[[], None], timeout: float | None,
+          needed: Callable[[], Iterable[int]]) -> None:
+    """Run ``fn`` in a waiter thread while this one watches: Ctrl-C, the processes of the peers
+    ``needed()`` names, and a helper that never finishes (bounded by the timeout)."""
+    done, failed = WAITERS.run(fn)
+    start, seen = time.monotonic(), dict[int, float]()
+    while not done.wait(SLICE):
+        check_peers(comm, needed(), seen)
+        if timeout is not None and time.monotonic() - start > timeout + DEAD_GRACE:
+            comm._mark_broken(f"{comm._op_label} (call #{comm._seq}): the transport didn't finish")
+            raise CollectiveTimeoutError(f"{comm._op_label} (call #{comm._seq}) timed out after {timeout}s "
+                                         f"(the transport didn't finish)", op=comm._op_label)
+    if failed:
+        raise failed[0]
+
+
+def interrupted(comm: _TorchCommunicator, e: BaseException) -> None:
+    """Ctrl-C (any BaseException) while waiting: the peers still expect this call's messages."""
+    comm._mark_broken(f"{comm._op_label} (call #{comm._seq}) was interrupted ({type(e).__name__}) while "
+                      f"waiting for its peers")
+
+
+def check_peers(comm: _TorchCommunicator, needed: Iterable[int], seen: dict[int, float]) -> None:
+    """Raise PeerError for a peer this wait needs whose process has been gone for DEAD_GRACE."""
+    now = time.monotonic()
+    gone = []
+    for r in needed:
+        pid = comm._peer_pids.get(r)
+        if pid is not None and not alive(pid):
+            if now - seen.setdefault(r, now) >= DEAD_GRACE:
+                gone.append((r, pid))
+    if gone:
+        what = f"{comm._op_label} (call #{comm._seq})"
+        names = ", ".join(f"rank {r} (pid {pid})" for r, pid in gone)
+        comm._mark_broken(f"{what}: {names} exited")
+        raise PeerError(f"{what}: lost a peer: {names} on this machine exited while this rank still needed it "
+                        f"(its connections may stay open in a process it forked, so the transport can't tell)",
+                        op=comm._op_label, ranks=[r for r, _ in gone])
+
+
+def ask_store(comm: _TorchCommunicator,
+              grace: float) -> tuple[list[int], dict[int, str]] | Literal["no store", "unreachable"]:
+    """Write that this rank failed at this call, and what it is doing; wait ``grace`` for the
+    others. Return who reached this call, and what each rank that failed in any call reported;
+    or why not: no store to ask (or set-up, before the ranks share a token), or it didn't answer."""
+    if comm._store is None or not comm._token:
+        return "no store"
+    prefix = f"distcomm/{comm._token}/{comm._seq}/"
+    states = f"distcomm/{comm._token}/state/"
+    try:
+        comm._store.set(states + str(comm._rank), comm._state())
+        comm._store.set(prefix + str(comm._rank), "1")
+        deadline = time.monotonic() + grace
+        while True:
+            present = [r for r in range(comm._world) if comm._store.check([prefix + str(r)])]
+            if len(present) == comm._world or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        told = {r: comm._store.get(states + str(r)).decode("utf-8", "replace")
+                for r in range(comm._world) if comm._store.check([states + str(r)])}
+        return present, told
+    except Exception:  # the store may be gone with the peer that hosted it
+        return "unreachable"
+
+
+def store_host(comm: _TorchCommunicator) -> int | None:
+    """The rank (in this group) whose process serves the job's TCPStore: global rank 0."""
+    store = comm._store
+    while store is not None and hasattr(store, "underlying_store"):  # PrefixStore
+        store = store.underlying_store
+    if store is None or type(store).__name__ != "TCPStore" or 0 not in comm._ranks:
+        return None
+    return comm._ranks.index(0)
+
+
+def fail(comm: _TorchCommunicator, exc: BaseException, timeout: float | None) -> NoReturn:
+    text = str(exc).split("\n")[0]
+    low = text.lower()
+    seq = comm._seq
+    what = f"{comm._op_label} (call #{seq})"
+    comm._mark_broken(f"{what}: {text[:160]}")
+    grace = 2.0 if timeout is None else min(2.0, max(0.5, timeout / 4))
+    reported = ask_store(comm, grace)
+    present, told = (None, {}) if isinstance(reported, str) else reported
+    missing = [] if present is None else [r for r in range(comm._world) if r not in present]
+    told[comm._rank] = comm._state()
+    table = "\n" + states_table(told, comm._world)
+    who = ""
+    if missing:
+        who = f"; rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} never reported reaching it"
+    host = store_host(comm, ) if reported == "unreachable" else None
+    if host is not None and host != comm._rank:  # the store that names missing ranks is gone: suspect its host
+        missing = [host]
+        who = f"; rank {host}, which hosts the job's store, is unreachable (it exited or its machine is down)"
+    timed_out = "timed out" in low or "timeout" in low
+    closed = "closed" in low or "reset" in low or "broken pipe" in low or "connection" in low
+    if timed_out and not ("closed by peer" in low and present is not None and not missing):
+        raise CollectiveTimeoutError(
+            f"{what} timed out after {timeout}s waiting for its peers{who} (transport: {text[:200]}){table}",
+            ranks=missing) from exc
+    if closed and present is not None and not missing:
+        raise CollectiveTimeoutError(
+            f"{what}: every rank reached it, but peers gave up (their timeout expired) before this "
+            f"rank arrived (transport: {text[:200]}){table}") from exc
+    if closed:
+        raise PeerError(
+            f"{what}: lost a peer (it exited or its connection closed){who} (transport: {text[:200]}){table}",
+            ranks=missing) from exc
+    raise CollectiveError(f"{what} failed in the transport{who}: {text[:300]}{table}", op=comm._op_label,
+                          ranks=missing) from exc
