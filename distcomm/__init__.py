@@ -73,8 +73,9 @@ for _cls in (Communicator, LocalCommunicator, GlooCommunicator, NcclCommunicator
 def __getattr__(name: str) -> _Any:
     # The reference module's global, read through the active communicator: code that reads
     # ``comm._LOCAL_PROCESS_GROUP`` gets the local group of the communicator in use.
-    if name == "_LOCAL_PROCESS_GROUP":
-        return current().local_group
+    if name == "_LOCAL_PROCESS_GROUP":  # as the reference: None until launch() or create_local_process_group()
+        comm = current()
+        return comm.local_group if comm._machines_declared else None
     raise AttributeError(f"module 'distcomm' has no attribute {name!r}")
 
 __all__ = [

@@ -19,6 +19,7 @@ from __future__ import annotations
 import abc
 import datetime
 import functools
+import operator
 import os
 import sys
 import threading
@@ -48,7 +49,7 @@ from ._tensors import (
     run_tensor_op,
 )
 
-__all__ = ["COLLECTIVES", "DEFAULT_TIMEOUT", "Communicator", "MainProcessFlag"]
+__all__ = ["COLLECTIVES", "DEFAULT_TIMEOUT", "Communicator"]
 
 DEFAULT_TIMEOUT = 600.0
 """Seconds a collective waits for its peers unless told otherwise."""
@@ -58,26 +59,15 @@ DEFAULT_SLOT_BYTES = 4096
 _T = TypeVar("_T", bound="Communicator")
 
 
-class MainProcessFlag(int):
-    """``comm.is_main_process``: 1 (True) or 0 (False), printed as True or False, and callable.
+def _fixed(name: str) -> property:
+    """A setting every rank of a communicator must share: read-only, so that no rank changes it alone."""
 
-    ``if comm.is_main_process:`` and ``if comm.is_main_process():`` both work; ``bool(flag)`` is a
-    plain bool (``flag is True`` is not: it's an int, like True itself is).
-    """
+    def refuse(self: Communicator, value: object) -> None:
+        raise AttributeError(
+            f"{name} is fixed when a communicator is made: every rank must use the same, and one rank changing "
+            f"it alone would refuse or accept payloads its peers don't (make the communicator with {name}=...)")
 
-    def __call__(self) -> bool:
-        return bool(self)
-
-    def __reduce__(self) -> tuple[type[bool], tuple[bool]]:
-        return bool, (bool(self),)  # travels as a plain bool (SafeSerializer loads it)
-
-    def __repr__(self) -> str:
-        return repr(bool(self))
-
-    __str__ = __repr__
-
-
-_MAIN, _NOT_MAIN = MainProcessFlag(1), MainProcessFlag(0)
+    return property(operator.attrgetter(f"_{name}"), refuse, doc=f"The {name} given when it was made (fixed).")
 
 
 class Communicator(abc.ABC):
@@ -124,6 +114,17 @@ class Communicator(abc.ABC):
     _SCATTER_SLOT_MAX = 4 << 10
     """The most a scatter's per-rank slot holds beyond small worlds (also at most ``slot_bytes``)."""
 
+    _REDUCIBLE_DTYPES: frozenset[torch.dtype] = frozenset({
+        torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int32, torch.int64,
+        torch.bool})
+    """The dtypes a reduction takes (gloo's, which the test doubles share); other dtypes are refused
+    on every rank before anything moves. Broadcasts and gathers carry any dtype."""
+
+    serializer: Serializer = _fixed("serializer")  # type: ignore[assignment]
+    max_bytes: int | None = _fixed("max_bytes")  # type: ignore[assignment]
+    slot_bytes: int = _fixed("slot_bytes")  # type: ignore[assignment]
+    receive_cuda_on: str = _fixed("receive_cuda_on")  # type: ignore[assignment]
+
     def __init__(
         self,
         *,
@@ -138,20 +139,21 @@ class Communicator(abc.ABC):
             serializer = default_serializer()
         if not isinstance(serializer, Serializer):
             raise TypeError(f"serializer must be a distcomm.Serializer, got {type(serializer).__name__}")
-        self.serializer = serializer
+        self._serializer = serializer
         if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0):
             raise ValueError(f"max_bytes must be a non-negative int or None, got {max_bytes!r}")
-        self.max_bytes = max_bytes
+        self._max_bytes = max_bytes
         if not isinstance(slot_bytes, int) or slot_bytes < _frame.MIN_SLOT:
             raise ValueError(f"slot_bytes must be an int >= {_frame.MIN_SLOT}, got {slot_bytes!r}")
-        self.slot_bytes = slot_bytes
+        self._slot_bytes = slot_bytes
         if receive_cuda_on not in ("device", "cpu"):
             raise ValueError(f"receive_cuda_on must be 'device' or 'cpu', got {receive_cuda_on!r}")
-        self.receive_cuda_on = receive_cuda_on
+        self._receive_cuda_on = receive_cuda_on
         self._seq = 0
         self._pid = os.getpid()
         self._closed = False
         self._broken: str | None = None
+        self._misused: str | None = None  # why every later collective fails on every rank (see _exclusive)
         self._stats: dict[str, OpStats] = {}
         self._cur = OpStats()  # the counters of the collective in progress
         self._op_label = "setup"  # its name, for errors the transport raises
@@ -159,6 +161,9 @@ class Communicator(abc.ABC):
         # communicators over other groups that the module helpers' group= argument asked for
         self._children: dict[Any, Communicator] = {}
         self._local = (0, 1)  # (local rank, local size)
+        # whether launch() or create_local_groups() said which ranks share a machine (the reference's
+        # _LOCAL_PROCESS_GROUP exists only then)
+        self._machines_declared = False
         self._busy = threading.Lock()  # held while a collective runs: one at a time, from one thread
         self._busy_thread = 0
         # where the user called the collective in progress (file, line), and the last one that returned
@@ -198,10 +203,10 @@ class Communicator(abc.ABC):
         return None
 
     @property
-    def is_main_process(self) -> MainProcessFlag:
-        """True on rank 0: a bool-like flag that can also be called, so that ``comm.is_main_process``
-        and ``comm.is_main_process()`` (the module helper's spelling) both work."""
-        return _MAIN if self.rank == 0 else _NOT_MAIN
+    def is_main_process(self) -> bool:
+        """True on rank 0 (a plain bool; the module helper ``distcomm.is_main_process()`` is the
+        function of the classic spelling)."""
+        return self.rank == 0
 
     @property
     def device(self) -> torch.device:
@@ -234,6 +239,12 @@ class Communicator(abc.ABC):
         st = self._cur
         st.bytes_sent += sent
         st.bytes_received += received
+
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            f"a {type(self).__name__} can't be sent to another process or pickled: it holds this process's "
+            f"connections. Pass what it computes instead, or create a communicator in each process (a "
+            f"function sent to launch() or spawn() receives its own)")
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("broken" if self._broken else "open")
@@ -747,10 +758,13 @@ def _exclusive(method: Callable[..., Any]) -> Callable[..., Any]:
                     f"{method.__name__} was called on a {name} while another of its collectives runs in the same "
                     f"thread (for example from an object's __setstate__ while a result loads); call it after "
                     f"that collective returns")
-            raise CommunicatorStateError(
-                f"{method.__name__} was called on a {name} from two threads at once; a communicator serves one "
-                f"thread at a time (their messages would interleave): give each thread its own communicator "
-                f"(comm.split or comm.new_group), or hold a lock around the calls")
+            why = (f"{method.__name__} was called on a {name} from two threads at once; a communicator serves one "
+                   f"thread at a time (their messages would interleave): give each thread its own communicator "
+                   f"(comm.split or comm.new_group), or hold a lock around the calls")
+            # Each rank may refuse a different thread, and the threads left would then pair up wrongly:
+            # from now on this rank fails every collective, and its peers learn it in that call's exchange.
+            self._misused = self._misused or f"rank {self.rank} was used from two threads at once ({method.__name__})"
+            raise CommunicatorStateError(why)
         self._busy_thread = threading.get_ident()
         # the user's call site, for other ranks' error messages: the first frame outside distcomm
         f: Any = sys._getframe(1)

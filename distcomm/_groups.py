@@ -31,7 +31,9 @@ def split(comm: Communicator, color: int | None, key: int, members: tuple[int, .
                                       ranks=odd_ones([a for _, _, a in infos]))
     ordered = _groups_by_color(infos, label)
     mine = next((m for m in ordered if comm.rank in m), None)
-    sub = comm._make_sub(ordered, mine, timeout)
+    sub = comm._make_sub(ordered, mine, timeout)  # set up within the call's timeout
+    if sub is not None:
+        sub._timeout = comm._timeout  # then waits as long as its parent by default, not as long as set-up took
     for k in [k for k, c in comm._children.items() if c._closed]:  # closed ones are let go
         del comm._children[k]
     if sub is not None:
@@ -70,3 +72,4 @@ def regroup_machines(comm: Communicator, n: int) -> None:
             raise CollectiveMismatchError(f"create_local_groups: the ranks passed different numbers:\n{rows}",
                                           op="create_local_groups", ranks=odd_ones(asked))
     comm._set_machines([list(range(m, m + n)) for m in range(0, comm.world_size, n)])
+    comm._machines_declared = True

@@ -87,6 +87,8 @@ def run(comm: Communicator, spec: CallSpec) -> list[Any]:
 
 def _serialize(comm: Communicator, route: Route, spec: CallSpec) -> tuple[list[list[memoryview]], int, str]:
     """This rank's parts, or the status and message of why it can't take part."""
+    if comm._misused is not None:  # reported to every rank, at every call (see _exclusive)
+        return [], _frame.INVALID, f"{comm._misused}; this communicator fails every later collective"
     if spec.invalid is not None:
         return [], spec.status, spec.invalid
     if not spec.serialize:

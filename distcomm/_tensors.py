@@ -15,7 +15,7 @@ import torch
 
 from ._agreement import digest_of, odd_ones
 from ._calls import CallSpec, Op, OpStats
-from ._errors import CollectiveError, CollectiveMismatchError
+from ._errors import CollectiveError, CollectiveMismatchError, CommunicatorStateError
 from ._frame import I64
 from ._memory import materialized
 from ._ops import fold_tensors, tensor_problem
@@ -70,10 +70,23 @@ def tensor_input_problem(comm: Communicator, op: Op, tensor: Any, reduce_op: str
     problem = tensor_problem(tensor, reduce_op)
     if problem is None:
         problem = comm._device_problem(tensor)
+    if problem is None and reduce_op is not None:
+        problem = _reducible_problem(comm, tensor)
     world = comm.world_size
     if problem is None and op is Op.REDUCE_SCATTER_TENSOR and (tensor.dim() == 0 or tensor.shape[0] % world):
         problem = f"dim 0 must be a multiple of world_size {world}, got shape {tuple(tensor.shape)}"
     return problem
+
+
+def _reducible_problem(comm: Communicator, tensor: torch.Tensor) -> str | None:
+    """Why the transport can't reduce ``tensor``'s dtype (None: it can). Complex tensors are
+    reduced as (re, im) pairs of their real dtype. The test doubles refuse what gloo refuses."""
+    dtype = tensor.real.dtype if tensor.is_complex() else tensor.dtype
+    if dtype in comm._REDUCIBLE_DTYPES:
+        return None
+    names = ", ".join(sorted(str(d).removeprefix("torch.") for d in comm._REDUCIBLE_DTYPES))
+    return (f"{tensor.dtype} tensors can't be reduced over this transport (it reduces {names}); "
+            f"convert them first (for example tensor.float())")
 
 
 def run_tensor_op(comm: Communicator, op: Op, root: int, tensor: torch.Tensor, reduce_op: str | None, check: bool,
@@ -82,6 +95,8 @@ def run_tensor_op(comm: Communicator, op: Op, root: int, tensor: torch.Tensor, r
     if not isinstance(check, bool):
         raise TypeError(f"check must be a bool, got {type(check).__name__}")
     t = comm._op_timeout(timeout)
+    if not check and comm._misused is not None:  # no exchange to tell the peers in: refused here
+        raise CommunicatorStateError(f"{op.label}: {comm._misused}; this communicator fails every later collective")
     problem = tensor_input_problem(comm, op, tensor, reduce_op)
     if problem is not None:
         if not check:

@@ -55,6 +55,22 @@ def _td(seconds: float | None) -> datetime.timedelta | None:
     return None if seconds is None else datetime.timedelta(seconds=seconds)
 
 
+_CARRIED = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
+                      torch.int32, torch.int64, torch.bool})
+"""The dtypes gloo's broadcast and all-gather take as they are (see ``_as_carried``)."""
+
+
+def _as_carried(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (contiguous) as the native broadcast and all-gather move it, same memory: complex as
+    (re, im) pairs, a dtype gloo refuses (float8, uint16, ...) as its raw bytes, each element's
+    bytes in a last dimension of its own, so that dim 0 (all-gather's rows) stays as it is."""
+    if t.is_complex():
+        return torch.view_as_real(t)
+    if t.dtype in _CARRIED:
+        return t
+    return t.unsqueeze(-1).view(torch.uint8)
+
+
 _REUSABLE_NAMES: set[str] = set()
 """Names of live groups this process made with use_local_synchronization, whose names torch may
 give again once they are destroyed (see ``_TorchCommunicator._forget_keys``)."""
@@ -447,9 +463,11 @@ class _TorchCommunicator(Communicator):
         # take, another device, a closed or broken communicator) returns None: run_tensor_op then runs,
         # and words the error; it also materializes conjugate views, whose memory isn't their value, and
         # moves complex tensors as real pairs.
-        if (type(tensor) is not torch.Tensor or tensor.requires_grad or not tensor.is_contiguous()
+        if (type(tensor) is not torch.Tensor or tensor.dtype not in _CARRIED or tensor.requires_grad
+                or not tensor.is_contiguous()
                 or tensor.is_complex() or tensor.is_neg() or tensor.device != self._fast_path_device
-                or self._world == 1 or self._closed or self._broken is not None or os.getpid() != self._pid):
+                or self._world == 1 or self._closed or self._broken is not None or self._misused is not None
+                or os.getpid() != self._pid):
             return None
         if reduce_op == "mean" and not tensor.is_floating_point():  # (min and max refuse only complex: above)
             return None
@@ -498,13 +516,11 @@ class _TorchCommunicator(Communicator):
 
     def _tensor_broadcast(self, tensor: torch.Tensor, src: int, timeout: float | None) -> None:
         opts = self._opts("BroadcastOptions", timeout, root=src)
-        work = torch.view_as_real(tensor) if tensor.is_complex() else tensor  # moved as its (re, im) pairs
-        self._native(self._group.broadcast, ([work], opts), timeout)
+        self._native(self._group.broadcast, ([_as_carried(tensor)], opts), timeout)
 
     def _tensor_all_gather(self, out: torch.Tensor, tensor: torch.Tensor, rows: list[int],
                            timeout: float | None) -> None:
-        if tensor.is_complex():  # moved as (re, im) pairs: gloo's all-gather refuses complex types
-            out, tensor = torch.view_as_real(out), torch.view_as_real(tensor)
+        out, tensor = _as_carried(out), _as_carried(tensor)
         g, opts = self._group, self._opts("AllgatherOptions", timeout)
         if rows.count(rows[0]) == len(rows):
             self._native(g._allgather_base, (out, tensor, opts), timeout)
@@ -698,6 +714,7 @@ def start_world(
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world, timeout=td)
     try:
         comm = cls(None, timeout=timeout, _owns_default=True, **kwargs)
+        comm._machines_declared = True  # the job's launcher knows its machines (the reference's launch())
         set_default(comm)  # every thread of the process sees it
         return comm
     except BaseException:
