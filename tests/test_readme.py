@@ -1,4 +1,4 @@
-"""Every Python block in the README runs as written, so the docs can't rot.
+"""Every Python block in README.md and docs/*.md runs as written, so the docs can't rot.
 
 A block's info string says how: ```python runs it as a script, ```python torchrun under torchrun
 with 2 processes, ```python pytest as a test file; ```python fragment marks a snippet that is not
@@ -23,27 +23,36 @@ FENCE = re.compile(r"^( *)```python([^\n]*)\n(.*?)^\1```", re.M | re.S)
 KINDS = {"", "torchrun", "pytest", "fragment"}
 
 
-def blocks() -> list[tuple[int, str, str]]:
-    text = (ROOT / "README.md").read_text()
+def doc_files() -> list[str]:
+    """README.md, then every page under docs/, as paths relative to the repository root."""
+    return ["README.md", *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md"))]
+
+
+def blocks() -> list[tuple[str, str, str]]:
+    """(where, kind, code) of every ```python block: where is ``file:line``."""
     found = []
-    for m in FENCE.finditer(text):
-        line = text.count("\n", 0, m.start()) + 1
-        found.append((line, m.group(2).strip(), textwrap.dedent(m.group(3))))
+    for name in doc_files():
+        text = (ROOT / name).read_text()
+        for m in FENCE.finditer(text):
+            line = text.count("\n", 0, m.start()) + 1
+            found.append((f"{name}:{line}", m.group(2).strip(), textwrap.dedent(m.group(3))))
     return found
 
 
 def test_every_block_says_how_it_runs() -> None:
     found = blocks()
     assert len(found) >= 5
-    for line, kind, _ in found:
-        assert kind in KINDS, f"README line {line}: unknown block kind {kind!r}"
+    for where, kind, _ in found:
+        assert kind in KINDS, f"{where}: unknown block kind {kind!r}"
     assert sum(kind != "fragment" for _, kind, _ in found) >= 4
+    readme = [kind for where, kind, _ in found if where.startswith("README.md:")]
+    assert sum(kind != "fragment" for kind in readme) >= 3, "the README's quick start and testing examples run"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("line,kind,code", [b for b in blocks() if b[1] != "fragment"],
-                         ids=lambda v: str(v) if isinstance(v, int) else None)
-def test_block_runs(line: int, kind: str, code: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("where,kind,code", [pytest.param(*b, id=f"{b[0]}-{b[1]}" if b[1] else b[0])
+                                             for b in blocks() if b[1] != "fragment"])
+def test_block_runs(where: str, kind: str, code: str, tmp_path: Path) -> None:
     script = tmp_path / ("test_block.py" if kind == "pytest" else "block.py")
     script.write_text(code)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -55,4 +64,19 @@ def test_block_runs(line: int, kind: str, code: str, tmp_path: Path) -> None:
     else:
         cmd = [sys.executable, str(script)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, f"README block at line {line} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, f"block at {where} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def test_readme_links_every_docs_page_and_links_resolve() -> None:
+    readme = (ROOT / "README.md").read_text()
+    for name in doc_files()[1:]:
+        assert f"]({name})" in readme, f"README.md doesn't link {name}"
+    for name in doc_files():
+        for target in LINK.findall((ROOT / name).read_text()):
+            if "://" in target or target.startswith("#"):
+                continue
+            path = (ROOT / name).parent / target.split("#", 1)[0]
+            assert path.exists(), f"{name}: link to {target}, which doesn't exist"
