@@ -83,6 +83,15 @@ def test_trainer_with_ddp_over_the_communicators_group() -> None:
     from distcomm.testing import spawn
 
     with_ddp = spawn(lambda comm: _weights(comm, True), 2, timeout=120)
-    by_hand = spawn(lambda comm: _weights(comm, False), 2, timeout=120)  # threads would share torch's seed
+    by_hand = spawn(lambda comm: _weights(comm, False), 2, timeout=120)
     assert with_ddp[0] == with_ddp[1]
     assert by_hand[0] == by_hand[1]
+
+
+def test_trainer_weights_agree_across_threads() -> None:
+    """Ranks as threads share torch's global generator: the trainer seeds a generator of its own."""
+    from distcomm.testing import run_threaded
+
+    for _ in range(3):
+        weights = run_threaded(lambda comm: _weights(comm, False), 4, timeout=120)
+        assert all(w == weights[0] for w in weights)

@@ -32,8 +32,13 @@ class Trainer:
 
     def fit(self) -> list[dict[str, float]]:
         comm = self.comm
-        torch.manual_seed(comm.shared_random_seed())  # the same initial weights on every rank
         model: torch.nn.Module = torch.nn.Linear(1, 1)
+        # the same initial weights on every rank, from a generator of this rank's own: torch's global
+        # one is shared by every thread of a process (the threaded test world runs ranks as threads)
+        init = torch.Generator().manual_seed(comm.shared_random_seed())
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.rand(p.shape, generator=init) * 2 - 1)
         if self.ddp:  # the communicator owns the process group; DDP averages the gradients over it
             model = torch.nn.parallel.DistributedDataParallel(model, process_group=comm.group)
         self.model = model
