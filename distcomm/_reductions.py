@@ -24,8 +24,14 @@ __all__ = ["dict_problem", "dict_signature", "fold_payload", "reduce_dict", "red
 
 
 def _work_dtype(values: Iterable[Any]) -> torch.dtype:
-    """The dtype reduce_dict reduces in: float64, or complex128 when there are complex values."""
-    return torch.complex128 if any(isinstance(v, torch.Tensor) and v.is_complex() for v in values) else torch.float64
+    """The dtype reduce_dict reduces in: int64 when every value is an integer or bool tensor (exact,
+    as torch's all_reduce of integers is), complex128 when any is complex, else float64."""
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    if any(v.is_complex() for v in tensors):
+        return torch.complex128
+    if tensors and not any(v.is_floating_point() for v in tensors):
+        return torch.int64
+    return torch.float64
 
 
 def dict_problem(input_dict: Mapping[Any, Any]) -> tuple[list[Any], str | None]:
@@ -70,9 +76,10 @@ def reduce_dict(
         if problem:
             raise comm._world_of_one_error(op, problem)
         return {k: input_dict[k] for k in names}
-    # Every rank reduces in the same dtype whatever its values' dtypes (float64, exact for float32
-    # and for integers below 2**53; complex128 when the dicts hold complex values), and the
-    # digest that the first exchange compares covers the keys, their shapes and that choice.
+    # Every rank reduces in the same dtype whatever its values' dtypes (int64 for dicts of integers,
+    # exact; else float64, exact for float32 and for integers below 2**53; complex128 when the dicts
+    # hold complex values), and the digest that the first exchange compares covers the keys, their
+    # shapes and that choice.
     shapes: list[tuple[int, ...]] = []
     work_dtype, digest = torch.float64, 0  # with a problem every rank raises before the digests count
     if problem is None:
@@ -97,8 +104,9 @@ def reduce_dict(
         st.transfer_s += time.perf_counter() - t0
         if dst is not None and comm.rank != dst:
             return dict(input_dict)
-        if average:
-            work /= comm.world_size
+        if average:  # (a sum of integers is divided as float64)
+            work = work / comm.world_size if work.is_floating_point() or work.is_complex() else \
+                work.to(torch.float64) / comm.world_size
         work = work.to(orig)
     out, at = {}, 0
     for k, shape in zip(names, shapes, strict=True):

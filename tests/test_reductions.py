@@ -1,0 +1,53 @@
+"""reduce_dict and all_reduce_dict: integers reduce exactly, in int64, as torch's all_reduce does;
+floats keep float64; the same on every communicator."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import distcomm
+from distcomm.testing import FakeCommunicator, run_threaded, spawn
+
+BIG = 2**53 + 1  # float64 can't hold it: a sum through float64 comes back as 2**54
+
+
+def _integer_sums(comm: distcomm.Communicator) -> dict[str, Any]:
+    counts = {"n": torch.tensor(BIG), "bins": torch.tensor([BIG, 1, 2], dtype=torch.int64),
+              "small": torch.tensor(7, dtype=torch.int32), "flag": torch.tensor(comm.rank == 1)}
+    summed = comm.all_reduce_dict(counts, average=False)
+    mean = comm.all_reduce_dict({"n": torch.tensor(comm.rank + 1)})
+    mixed = comm.all_reduce_dict({"n": torch.tensor(3), "loss": torch.tensor(0.5)}, average=False)
+    on_root = comm.reduce_dict(counts, average=False)
+    return {"summed": {k: (v.tolist(), str(v.dtype)) for k, v in summed.items()},
+            "mean": (mean["n"].item(), str(mean["n"].dtype)),
+            "mixed": {k: (v.item(), str(v.dtype)) for k, v in mixed.items()},
+            "root": on_root["n"].item()}
+
+
+def _check(results: list[dict[str, Any]]) -> None:
+    n = len(results)
+    for rank, got in enumerate(results):
+        assert got["summed"] == {"n": (n * BIG, "torch.int64"), "bins": ([n * BIG, n, 2 * n], "torch.int64"),
+                                 "small": (7 * n, "torch.int32"), "flag": (True, "torch.bool")}
+        assert got["mean"] == ((n + 1) / 2, str(torch.get_default_dtype()))
+        assert got["mixed"] == {"n": (3 * n, "torch.int64"), "loss": (0.5 * n, "torch.float32")}
+        assert got["root"] == (n * BIG if rank == 0 else BIG)
+
+
+def test_integers_reduce_exactly_threaded() -> None:
+    _check(run_threaded(_integer_sums, 2))
+
+
+def test_integers_reduce_exactly_gloo() -> None:
+    _check(spawn(_integer_sums, 2, timeout=120))
+
+
+def test_integers_reduce_exactly_fake() -> None:
+    def peers(op: str, rank: int, obj: Any) -> Any:  # what the rank under test sends, with rank 1's flag
+        return {**obj, "flag": torch.tensor(True)} if "flag" in obj else obj
+
+    got = _integer_sums(FakeCommunicator(0, 2, peers=peers))
+    assert got["summed"]["n"] == (2 * BIG, "torch.int64") and got["summed"]["flag"] == (True, "torch.bool")
+    assert got["mixed"] == {"n": (6, "torch.int64"), "loss": (1.0, "torch.float32")} and got["root"] == 2 * BIG
