@@ -127,10 +127,14 @@ def _key_mismatch(comm: Communicator, names: list[Any], shapes: list[tuple[int, 
     everyone = [keys for keys, _, _ in infos]
     kinds = [kind for _, _, kind in infos]
     if len(set(kinds)) > 1:
-        complex_ranks = [r for r, kind in enumerate(kinds) if "complex" in kind]
+        described = {"torch.int64": "only integer or bool values (reduced exactly, in int64)",
+                     "torch.float64": "floating point values (reduced in float64)",
+                     "torch.complex128": "complex values (reduced in complex128)"}
+        rows = "\n".join(f"  rank {r}: {described.get(kind, kind)}" for r, kind in enumerate(kinds))
         raise CollectiveMismatchError(
-            f"reduce_dict: ranks {complex_ranks} have complex values and the others don't; "
-            f"every rank must pass the same kinds of values", op="reduce_dict", ranks=complex_ranks)
+            f"reduce_dict: the ranks' dicts hold different kinds of values; every rank must pass the same "
+            f"kinds (convert integers with .float() to reduce them with floats):\n{rows}", op="reduce_dict",
+            ranks=odd_ones(kinds))
     union = sorted(set().union(*[set(ks) for ks in everyone]))
     lines = []
     for r, ks in enumerate(everyone):

@@ -133,7 +133,8 @@ def test_reduce_dict_dtypes_that_differ_across_ranks(world: str) -> None:
     for r, (ok, err, after) in enumerate(run(world, mixed_dtypes, 2)):
         want_loss = "torch.float32" if r == 0 else "torch.float64"
         assert ok == {"loss": (3.0, want_loss), "n": (3.0, "torch.int64")}, ok
-        assert err[0] == "CollectiveMismatchError" and "ranks [1] have complex values" in err[1], err
+        assert err[0] == "CollectiveMismatchError" and "rank 1: complex values" in err[1], err
+        assert "rank 0: floating point values" in err[1], err
         assert after == [0, 1]
 
 

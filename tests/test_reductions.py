@@ -51,3 +51,18 @@ def test_integers_reduce_exactly_fake() -> None:
     got = _integer_sums(FakeCommunicator(0, 2, peers=peers))
     assert got["summed"]["n"] == (2 * BIG, "torch.int64") and got["summed"]["flag"] == (True, "torch.bool")
     assert got["mixed"] == {"n": (6, "torch.int64"), "loss": (1.0, "torch.float32")} and got["root"] == 2 * BIG
+
+
+def _kinds_differ(comm: distcomm.Communicator) -> str:
+    value = torch.tensor(1) if comm.rank == 0 else torch.tensor(1.0)
+    try:
+        comm.all_reduce_dict({"n": value})
+    except distcomm.CollectiveMismatchError as e:
+        return f"{e} ranks={list(e.ranks)}"
+    return "returned"
+
+
+def test_dicts_of_different_kinds_name_each_ranks_kind() -> None:
+    for got in (run_threaded(_kinds_differ, 2), spawn(_kinds_differ, 2, timeout=120)):
+        assert got[0] == got[1] and "rank 0: only integer or bool values" in got[0]
+        assert "rank 1: floating point values" in got[0]
