@@ -5,11 +5,17 @@ from __future__ import annotations
 import ctypes
 import datetime
 import multiprocessing
+import multiprocessing.connection
 import os
+import pickle
+import shutil
 import signal
 import socket
 import sys
+import sysconfig
+import tempfile
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,14 +24,22 @@ import torch
 import torch.multiprocessing as mp
 
 from ._communicator import DEFAULT_TIMEOUT
-from ._context import clear_default, set_default, use
-from ._errors import RankFailedError
+from ._context import use
+from ._defaults import clear_default, set_default
+from ._errors import DistCommError, RankFailedError
 from ._local import LocalCommunicator
 from ._memory import seconds as _seconds
+from ._serialization import dumps_code
+from ._torch import GlooCommunicator, NcclCommunicator, start_world
 
 __all__ = ["free_port", "launch"]
 
 _PR_SET_PDEATHSIG = 1
+_LONGEST = 300  # characters of an exception's message in a one-line description
+_GRACE = 2.0  # seconds the other processes get to report, once one failed, before they are ended
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_LIBRARY_DIRS = tuple(sorted({os.path.abspath(p) + os.sep for k, p in sysconfig.get_paths().items()
+                              if k in ("stdlib", "platstdlib", "purelib", "platlib")}))
 
 
 def free_port() -> int:
@@ -61,19 +75,154 @@ def _end(processes: Sequence[Any], grace: float = 3.0) -> None:
             p.join(1.0)
 
 
+def _user_frame(e: BaseException) -> traceback.FrameSummary | None:
+    """The innermost frame of ``e``'s traceback in the user's code: outside distcomm, and outside the
+    standard library and installed packages where such a frame exists."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if not os.path.abspath(f.filename).startswith(_PACKAGE_DIR)]
+    user = [f for f in frames if not os.path.abspath(f.filename).startswith(_LIBRARY_DIRS)]
+    found = user or frames
+    return found[-1] if found else None
+
+
+def describe(e: BaseException) -> str:
+    """One line: what was raised, and where it was, e.g. ``ValueError: bad batch (in main() at
+    train.py:6)``; a multi-line message gives its first line (the rest is in the traceback)."""
+    lines = str(e).strip().splitlines()
+    first = lines[0] if lines else ""
+    if len(first) > _LONGEST:
+        first = first[: _LONGEST - 3] + "..."
+    text = f"{type(e).__name__}: {first}" if first else type(e).__name__
+    frame = _user_frame(e)
+    if frame is not None:
+        name = frame.name if frame.name.startswith("<") else f"{frame.name}()"
+        text += f" (in {name} at {os.path.basename(frame.filename)}:{frame.lineno})"
+    return text
+
+
+def first_failure(failures: dict[int, tuple[bool, float]]) -> int:
+    """The rank whose failure came first: ``failures`` maps each failed rank to (whether its error
+    is a consequence of another rank's, a DistCommError such as a lost peer; when it failed). A rank
+    that raised something else, or died, comes before the ranks that lost it, the earliest first;
+    among consequences alone (an error raised alike on every rank), the lowest rank."""
+    return min(failures, key=lambda r: (failures[r][0], 0.0 if failures[r][0] else failures[r][1], r))
+
+
+def _report(where: str, index: int, e: BaseException) -> bool:
+    """Write what this process raised, for the launcher (which reads it after the process ended)."""
+    try:
+        try:
+            blob: bytes | None = cloudpickle.dumps(e)
+            cloudpickle.loads(blob)  # an exception whose __init__ can't be replayed doesn't come back
+        except Exception:
+            blob = None
+        report = {"time": time.time(), "line": describe(e), "consequence": isinstance(e, DistCommError),
+                  "traceback": traceback.format_exc(), "exception": blob}
+        path = os.path.join(where, f"{index}.report")
+        with open(path + ".tmp", "wb") as f:
+            pickle.dump(report, f)
+        os.replace(path + ".tmp", path)
+    except Exception:  # noqa: S110 - the launcher still sees the exit code and torch's error file
+        pass
+    return True
+
+
 def _worker(
     local_rank: int, payload: bytes, per_machine: int, num_machines: int, machine_rank: int,
-    url: str, backend: str, timeout: float, parent: int,
+    url: str, backend: str, timeout: float, parent: int, reports: str,
 ) -> None:
-    from ._torch import GlooCommunicator, NcclCommunicator, start_world
-
     _die_with(parent)
-    main_func, args = cloudpickle.loads(payload)
-    cls = NcclCommunicator if backend == "nccl" else GlooCommunicator
-    comm = start_world(cls, url, machine_rank * per_machine + local_rank, per_machine * num_machines, local_rank,
-                       timeout=timeout, machine=machine_rank)
-    with comm, use(comm):
-        main_func(*args)
+    reported = False
+    try:
+        main_func, args = cloudpickle.loads(payload)
+        cls = NcclCommunicator if backend == "nccl" else GlooCommunicator
+        comm = start_world(cls, url, machine_rank * per_machine + local_rank, per_machine * num_machines,
+                           local_rank, timeout=timeout, machine=machine_rank)
+        with comm, use(comm):
+            try:
+                main_func(*args)
+            except Exception as e:  # reported before the communicator closes: before its peers fail for it
+                reported = _report(reports, local_rank, e)
+                raise
+    except Exception as e:
+        if not reported:
+            _report(reports, local_rank, e)
+        raise
+
+
+def _wait(processes: Sequence[Any], grace: float) -> dict[int, tuple[int, float]]:
+    """Wait until every process exited, or until ``grace`` seconds after the first failed (the others
+    then have time to report what they saw). Returns the failed ones: index -> (exit code, when)."""
+    failed: dict[int, tuple[int, float]] = {}
+    stop_at = None
+    while True:
+        for i, p in enumerate(processes):
+            code = p.exitcode
+            if i not in failed and code is not None and code != 0:
+                failed[i] = (code, time.time())
+        running = [p for p in processes if p.exitcode is None]
+        now = time.monotonic()
+        if failed and stop_at is None:
+            stop_at = now + grace
+        if not running or (stop_at is not None and now >= stop_at):
+            return failed
+        # in one-second slices at most, so that Ctrl-C (or SIGINT sent to this process alone) is seen at once
+        multiprocessing.connection.wait([p.sentinel for p in running],
+                                        timeout=1.0 if stop_at is None else min(1.0, max(stop_at - now, 0.01)))
+
+
+def _failure(processes: Sequence[Any], failed: dict[int, tuple[int, float]], reports: str, first: int,
+             error_files: Sequence[str]) -> RankFailedError:
+    """One error for the failed processes, headed by the one that failed first, with what and where."""
+    found: dict[int, dict[str, Any]] = {}
+    for i in range(len(processes)):
+        try:
+            with open(os.path.join(reports, f"{i}.report"), "rb") as f:
+                found[i] = pickle.load(f)  # written by our own processes
+        except (OSError, pickle.UnpicklingError, EOFError):
+            continue
+    lines: dict[int, str] = {}
+    tracebacks: dict[int, str] = {}
+    exceptions: dict[int, BaseException | None] = {}
+    order: dict[int, tuple[bool, float]] = {}
+    for i in sorted(set(failed) | set(found)):
+        rank = first + i
+        report = found.get(i)
+        if report is not None:
+            lines[rank] = f"rank {rank} raised {report['line']}"
+            tracebacks[rank] = report["traceback"]
+            try:
+                exc = cloudpickle.loads(report["exception"]) if report["exception"] is not None else None
+            except Exception:
+                exc = None
+            exceptions[rank] = exc if isinstance(exc, BaseException) else None
+            order[rank] = (report["consequence"], report["time"])
+            continue
+        code, when = failed[i]
+        if code < 0:
+            try:
+                how = f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"was killed by signal {-code}"
+        else:
+            how = f"exited with code {code}"
+        lines[rank] = f"rank {rank} (pid {processes[i].pid}) {how} before main_func returned"
+        tracebacks[rank] = ""
+        if i < len(error_files):  # torch's own record, where our report could not be written
+            try:
+                with open(error_files[i], "rb") as f:
+                    tracebacks[rank] = str(pickle.load(f)).strip()  # written by our own processes
+            except (OSError, pickle.UnpicklingError, EOFError):
+                pass
+        exceptions[rank] = None
+        order[rank] = (False, when)
+    rank = first_failure(order)
+    others = "".join(f"\n  {line}" for r, line in sorted(lines.items()) if r != rank)
+    text = lines[rank] + (f"\nother ranks:{others}" if others else "")
+    if tracebacks[rank]:
+        text += f"\n--- rank {rank} traceback ---\n{tracebacks[rank]}"
+    return RankFailedError(text, rank=rank, exception=exceptions[rank], remote_traceback=tracebacks[rank],
+                           errors={r: exceptions[r] or RankFailedError(line, rank=r) for r, line in lines.items()})
 
 
 def launch(
@@ -157,32 +306,26 @@ def launch(
             raise ValueError("dist_url='auto' only works with num_machines=1; pass machine 0's tcp://host:port")
         dist_url = f"tcp://127.0.0.1:{free_port()}"
     assert dist_url is not None
-    payload = cloudpickle.dumps((main_func, tuple(args)))
+    payload = dumps_code((main_func, tuple(args)))
     first = machine_rank * num_processes_per_machine
     context = None
+    reports = tempfile.mkdtemp(prefix="distcomm-launch-")
     try:
         context = mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
             _worker,
             args=(payload, num_processes_per_machine, num_machines, machine_rank, dist_url, backend, seconds,
-                  os.getpid()),
+                  os.getpid(), reports),
             nprocs=num_processes_per_machine,
             join=False,
             start_method="spawn",
         )
-        # Join in one-second slices, so that Ctrl-C (or SIGINT sent to this process alone) is seen at
-        # once; on every way out, processes still running are ended.
-        while not context.join(1.0):
-            pass
-    except mp.ProcessRaisedException as e:  # type: ignore[attr-defined]
-        rank = first + e.error_index
-        text = str(e.msg).strip()
-        last = text.splitlines()[-1] if text else "an exception"
-        raise RankFailedError(f"rank {rank} raised {last}\n--- rank {rank} traceback ---\n{text}", rank=rank,
-                              remote_traceback=text) from None
-    except mp.ProcessExitedException as e:  # type: ignore[attr-defined]
-        rank = first + e.error_index
-        how = f"was killed by {e.signal_name}" if e.signal_name else f"exited with code {e.exit_code}"
-        raise RankFailedError(f"rank {rank} (pid {e.error_pid}) {how} before main_func returned", rank=rank) from None
-    finally:  # (processes started before an interrupt inside start_processes die with this one: PDEATHSIG)
+        failed = _wait(context.processes, _GRACE)
+        if failed:
+            _end(context.processes)  # before reading the reports: none is written after
+            raise _failure(context.processes, failed, reports, first,
+                           getattr(context, "error_files", ())) from None
+    finally:  # on every way out, processes still running are ended (those started before an interrupt
+        # inside start_processes die with this one: PDEATHSIG)
         if context is not None:
             _end(context.processes)
+        shutil.rmtree(reports, ignore_errors=True)

@@ -16,9 +16,12 @@ import abc
 import contextvars
 import copyreg
 import io
+import linecache
+import marshal
 import os
 import pickle
 import socket
+import types
 from collections import ChainMap
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -29,7 +32,7 @@ import torch
 from . import _safe
 from ._errors import SerializationError
 
-__all__ = ["PickleSerializer", "SafeSerializer", "Serializer", "default_serializer"]
+__all__ = ["PickleSerializer", "SafeSerializer", "Serializer", "default_serializer", "dumps_code"]
 
 DEFAULT_OOB_THRESHOLD = 64 * 1024
 
@@ -106,6 +109,53 @@ class _Pickler(pickle.Pickler):
 
 class _CloudPickler(cloudpickle.Pickler):  # type: ignore[misc]
     dispatch_table = _CLOUDPICKLE_TABLE
+
+
+# ------------------------------------------------------------------ the function payload of launch() and spawn()
+_SOURCE_LIMIT = 1 << 20  # source text shipped along for a file that isn't on disk (an IPython cell), at most
+
+
+def _load_code(data: bytes, filename: str, lines: list[str] | None) -> types.CodeType:
+    """The inverse of ``_reduce_code``: the code object, and its source for ``linecache`` when the
+    file it names can't be read here (tracebacks then show its lines, as they would locally)."""
+    code = marshal.loads(data)  # noqa: S302 - our own payload, from this process's parent
+    if lines is not None and filename not in linecache.cache and not os.path.exists(filename):
+        linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
+    return code  # type: ignore[no-any-return]
+
+
+def _reduce_code(code: types.CodeType) -> Any:
+    """A code object with its real ``co_filename`` (cloudpickle puts ``<dynamic-code>`` there).
+
+    marshal keeps every field, the nested code objects' too; its format belongs to this Python
+    version, which is fine for a payload only this machine's processes, started from the same
+    interpreter, load.
+    """
+    filename = code.co_filename
+    lines = None
+    if not os.path.exists(filename):
+        cached = linecache.getlines(filename)  # an IPython cell, or source that registered itself
+        if cached and sum(map(len, cached)) <= _SOURCE_LIMIT:
+            lines = list(cached)
+    return _load_code, (marshal.dumps(code), filename, lines)
+
+
+_SOURCE_TABLE: Any = ChainMap({types.CodeType: _reduce_code}, cloudpickle.Pickler.dispatch_table)
+
+
+class _SourcePickler(cloudpickle.Pickler):  # type: ignore[misc]
+    dispatch_table = _SOURCE_TABLE
+
+
+def dumps_code(obj: Any) -> bytes:
+    """``cloudpickle.dumps(obj)`` for launch()'s and spawn()'s functions: code pickled by value (a
+    function of the launching script) keeps its file name, so remote tracebacks show
+    ``File "train.py", line 5`` with the line's text, and call sites read ``train.py:140``, not
+    ``<dynamic-code>``. Load it with ``cloudpickle.loads`` (or ``pickle.loads``) in a process of
+    this machine started from the same interpreter."""
+    bio = io.BytesIO()
+    _SourcePickler(bio, protocol=cloudpickle.DEFAULT_PROTOCOL).dump(obj)
+    return bio.getvalue()
 
 
 class Serializer(abc.ABC):

@@ -180,7 +180,9 @@ def _start_hanging(tmp_path: Path, mode: str) -> tuple[subprocess.Popen[str], li
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 120
     while not all((tmp_path / f"pid{r}").exists() and (tmp_path / f"pid{r}").read_text() for r in (0, 1)):
-        assert parent.poll() is None and time.monotonic() < deadline, parent.communicate()[0][-3000:]
+        if parent.poll() is not None or time.monotonic() > deadline:
+            parent.kill()  # before reading its output, which would otherwise wait for a launcher that hangs
+            pytest.fail("the launched processes didn't start:\n" + parent.communicate()[0][-3000:])
         time.sleep(0.2)
     time.sleep(1.0)  # both ranks are inside main (rank 0 in synchronize)
     return parent, [int((tmp_path / f"pid{r}").read_text()) for r in (0, 1)]

@@ -3,64 +3,93 @@
 from __future__ import annotations
 
 import atexit
+import hashlib
 import multiprocessing as mp
 import os
+import pickle
 import queue as queue_mod
+import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import cloudpickle
+import torch.distributed as dist
 
+from .._context import use
 from .._errors import DistCommError, RankFailedError
-from .._launch import free_port
+from .._launch import describe, first_failure, free_port
+from .._serialization import dumps_code
+from .._torch import GlooCommunicator, NcclCommunicator, start_world
 
 __all__ = ["spawn"]
 
 _R = TypeVar("_R")
+_Got = tuple[bool, bytes | None, str, float]  # a rank's (ok, result or exception, text, when it failed)
+
+# Seconds a kept world's processes get to exit on their own when it is closed (at exit too) before
+# they are terminated, then killed: their torch teardown alone takes 1-3 s on a busy machine.
+_GRACE = 1.0
 
 
-def _failure(e: BaseException) -> tuple[bool, bytes | None, str]:
+def _failure(e: BaseException) -> _Got:
     tb = traceback.format_exc()
     try:
         blob: bytes | None = cloudpickle.dumps(e)
         cloudpickle.loads(blob)  # an exception whose __init__ can't be replayed doesn't come back
     except Exception:
         blob = None
-    return False, blob, f"{type(e).__name__}: {e}\n{tb}"
+    return False, blob, f"{describe(e)}\n{tb}", time.time()
+
+
+def _die_with(parent: int) -> None:
+    """End this process soon after ``parent`` is gone (killed with SIGKILL, say): no orphan waits on
+    its queue. A thread that polls, not PDEATHSIG, which fires when the thread that started this
+    process ends (spawn() may run in a helper thread that a kept world outlives)."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="distcomm-spawn-parent-watch", daemon=True).start()
 
 
 def _start(rank: int, world: int, url: str, backend: str, timeout: float, comm_kwargs: dict[str, Any]) -> Any:
-    from .._torch import GlooCommunicator, NcclCommunicator, start_world
-
     comm_kwargs.setdefault("timeout", timeout)
     cls = GlooCommunicator if backend == "gloo" else NcclCommunicator
     return start_world(cls, url, rank, world, rank, **comm_kwargs)
 
 
-def _spawn_worker(rank: int, world: int, url: str, payload: bytes, out: Any, backend: str, timeout: float) -> None:
+def _spawn_worker(rank: int, world: int, url: str, payload: bytes, out: Any, backend: str, timeout: float,
+                  parent: int) -> None:
+    _die_with(parent)
+    reported = False
     try:
-        from .._context import use
-
         fn, comm_kwargs = cloudpickle.loads(payload)
         comm = _start(rank, world, url, backend, timeout, comm_kwargs)
         with comm, use(comm):
-            result = fn(comm)
-        out.put((rank, 0, True, cloudpickle.dumps(result), "", 0))
+            try:
+                result = fn(comm)
+            except BaseException as e:  # reported before the communicator closes: before its peers fail for it
+                out.put((rank, 0, *_failure(e), -1))
+                reported = True
+                return
+        out.put((rank, 0, True, cloudpickle.dumps(result), "", 0.0, 0))
     except BaseException as e:
-        out.put((rank, 0, *_failure(e), -1))
+        if not reported:
+            out.put((rank, 0, *_failure(e), -1))
 
 
 def _pool_worker(rank: int, world: int, url: str, inbox: Any, out: Any, backend: str, timeout: float,
-                 kwargs_blob: bytes) -> None:
+                 kwargs_blob: bytes, parent: int) -> None:
     """A rank of a reused world: one communicator, then one function per job until told to stop.
 
     After each job it reports its call count; the parent keeps the world only while every rank
     succeeded, with the same count and an intact communicator.
     """
-    from .._context import use
-
+    _die_with(parent)
     try:
         comm = _start(rank, world, url, backend, timeout, cloudpickle.loads(kwargs_blob))
     except BaseException as e:
@@ -69,11 +98,9 @@ def _pool_worker(rank: int, world: int, url: str, inbox: Any, out: Any, backend:
     own = set(vars(comm))
 
     def state() -> tuple[Any, ...]:  # what a function may change that a fresh world wouldn't have
-        import torch.distributed as dist
-
         groups = len(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else -1  # its own groups too
         return (comm.max_bytes, id(comm.serializer), comm.slot_bytes, comm.receive_cuda_on, comm._local,
-                comm._local_group, len(comm._children), len(comm._owned), groups)
+                comm._local_group, len(comm._children), len(comm._owned), groups, comm._misused)
 
     fresh = state()
     with comm, use(comm):
@@ -86,7 +113,7 @@ def _pool_worker(rank: int, world: int, url: str, inbox: Any, out: Any, backend:
             comm._timeout = seconds  # this call's timeout, as a fresh world would have it
             try:
                 result = cloudpickle.loads(payload)(comm)
-                got: tuple[bool, bytes | None, str] = (True, cloudpickle.dumps(result), "")
+                got: _Got = (True, cloudpickle.dumps(result), "", 0.0)
             except BaseException as e:
                 got = _failure(e)
             for name in set(vars(comm)) - own:  # settings a function changed on its communicator
@@ -106,13 +133,14 @@ class _World:
         self.inboxes = [ctx.Queue() for _ in range(world)]
         url = f"tcp://127.0.0.1:{free_port()}"
         self.procs = [ctx.Process(target=_pool_worker, name=f"distcomm-rank-{r}", daemon=True,
-                                  args=(r, world, url, self.inboxes[r], self.out, backend, timeout, kwargs_blob))
+                                  args=(r, world, url, self.inboxes[r], self.out, backend, timeout, kwargs_blob,
+                                        os.getpid()))
                       for r in range(world)]
         for p in self.procs:
             p.start()
         self.jobs = 0
 
-    def run(self, payload: bytes, timeout: float) -> tuple[dict[int, tuple[bool, bytes | None, str]], bool]:
+    def run(self, payload: bytes, timeout: float) -> tuple[dict[int, _Got], bool]:
         self.jobs += 1
         for q in self.inboxes:
             q.put((self.jobs, timeout, payload))
@@ -122,43 +150,68 @@ class _World:
         return got, intact
 
     def close(self) -> None:
-        for q in self.inboxes:
+        _close([self])
+
+
+def _close(worlds: list[_World], grace: float = _GRACE) -> None:
+    """Stop the worlds' processes, all at once: told to stop, then terminated after ``grace`` seconds,
+    then killed; a second or two in all however many worlds there are."""
+    for w in worlds:
+        for q in w.inboxes:
             try:
                 q.put(None)
             except Exception:  # noqa: S110 - best effort on teardown
                 pass
-        deadline = time.monotonic() + 5
-        for p in self.procs:
-            p.join(max(deadline - time.monotonic(), 0.01))
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-        self.out.close()
+    procs = [p for w in worlds for p in w.procs]
+    deadline = time.monotonic() + grace
+    for p in procs:
+        p.join(max(deadline - time.monotonic(), 0.0))
+    for stop in ("terminate", "kill"):
+        alive = [p for p in procs if p.is_alive()]
+        for p in alive:
+            getattr(p, stop)()
+        deadline = time.monotonic() + 0.5
+        for p in alive:
+            p.join(max(deadline - time.monotonic(), 0.0))
+    for w in worlds:
+        for q in [*w.inboxes, w.out]:
+            q.cancel_join_thread()  # a dead process's inbox must not hold this one's exit
+            q.close()
 
 
-_WORLDS: dict[tuple[int, str, bytes], _World] = {}
+_WORLDS: dict[tuple[int, str, bytes, bytes], _World] = {}
 _KEPT = 8
+# Variables that change from test to test without changing what a world's processes would be
+_NOT_INHERITED = frozenset({"PYTEST_CURRENT_TEST", "DISTCOMM_SPAWN_REUSE"})
+
+
+def _inherited() -> bytes:
+    """A digest of what a fresh world's processes inherit from this one and a kept world's have from
+    when they started: the environment (DISTCOMM_SERIALIZER, TORCH_*, GLOO_*, NCCL_*, ... and what
+    the function itself reads), the working directory and sys.path. A change makes a fresh world."""
+    env = sorted((k, v) for k, v in os.environ.items() if k not in _NOT_INHERITED)
+    return hashlib.blake2b(pickle.dumps((env, os.getcwd(), list(sys.path))), digest_size=16).digest()
 
 
 @atexit.register
 def _close_worlds() -> None:
-    for w in _WORLDS.values():
-        w.close()
+    worlds = list(_WORLDS.values())
     _WORLDS.clear()
+    _close(worlds)
 
 
-def _collect(procs: list[Any], out: Any, timeout: float, job: int
-             ) -> tuple[dict[int, tuple[bool, bytes | None, str]], dict[int, int]]:
-    """Each rank's (ok, blob, text) for ``job`` (or its start-up failure), until all report, die or time out."""
-    got: dict[int, tuple[bool, bytes | None, str]] = {}
+def _collect(procs: list[Any], out: Any, timeout: float, job: int) -> tuple[dict[int, _Got], dict[int, int]]:
+    """Each rank's (ok, blob, text, when) for ``job`` (or its start-up failure), until all report, die or
+    time out."""
+    got: dict[int, _Got] = {}
     seqs: dict[int, int] = {}
     dead_since: dict[int, float] = {}
     deadline = time.monotonic() + timeout
     while len(got) < len(procs) and time.monotonic() < deadline:
         try:
-            rank, job_id, ok, blob, text, seq = out.get(timeout=0.1)
+            rank, job_id, ok, blob, text, when, seq = out.get(timeout=0.1)
             if job_id in (job, -1):
-                got[rank], seqs[rank] = (ok, blob, text), seq
+                got[rank], seqs[rank] = (ok, blob, text, when), seq
             continue
         except queue_mod.Empty:
             pass
@@ -166,7 +219,8 @@ def _collect(procs: list[Any], out: Any, timeout: float, job: int
         for r, p in enumerate(procs):
             if r not in got and not p.is_alive():
                 if now - dead_since.setdefault(r, now) > 1.0:
-                    got[r], seqs[r] = (False, None, f"process exited with code {p.exitcode} before returning"), -1
+                    got[r], seqs[r] = (False, None, f"process exited with code {p.exitcode} before returning",
+                                       time.time()), -1
     return got, seqs
 
 
@@ -186,12 +240,14 @@ def spawn(fn: Callable[[Any], _R], world_size: int, *, backend: str = "gloo", ti
         return_exceptions: put each failed rank's RankFailedError in the result list instead of
             raising.
         reuse: keep the processes and their communicators for the next ``spawn(..., reuse=True)``
-            with the same world size, backend and settings (a test suite then pays for
-            starting them once). A world is kept only while every rank returns normally with its
-            communicator intact and in step; attributes ``fn`` sets on the communicator and its
-            stats are reset between calls. Otherwise, a fresh world as without ``reuse``. The
-            eight most recently used worlds are kept. Default: the environment variable
-            DISTCOMM_SPAWN_REUSE=1 turns it on (for a whole test suite).
+            with the same world size, backend and settings, in the same environment (environment
+            variables such as DISTCOMM_SERIALIZER, working directory, sys.path: a change makes a
+            fresh world, as without ``reuse``); a test suite then pays for starting them once.
+            A world is kept only while every rank returns normally with its communicator intact
+            and in step; attributes ``fn`` sets on the communicator and its stats are reset
+            between calls. Otherwise, a fresh world as without ``reuse``. The eight most recently
+            used worlds are kept, and stopped at exit within a second or two. Default: the
+            environment variable DISTCOMM_SPAWN_REUSE=1 turns it on (for a whole test suite).
         comm_kwargs: passed to each communicator (serializer=, max_bytes=, ...).
 
     Raises:
@@ -207,9 +263,9 @@ def spawn(fn: Callable[[Any], _R], world_size: int, *, backend: str = "gloo", ti
     if reuse is None:
         reuse = os.environ.get("DISTCOMM_SPAWN_REUSE", "") == "1"
     if reuse:
-        key = (world_size, backend, cloudpickle.dumps(comm_kwargs))
+        key = (world_size, backend, cloudpickle.dumps(comm_kwargs), _inherited())
         world = _WORLDS.pop(key, None) or _World(world_size, backend, timeout, key[2])
-        got, intact = world.run(cloudpickle.dumps(fn), timeout)
+        got, intact = world.run(dumps_code(fn), timeout)
         if intact:
             _WORLDS[key] = world  # the most recently used last
             while len(_WORLDS) > _KEPT:  # each kept world holds its processes' memory
@@ -220,8 +276,8 @@ def spawn(fn: Callable[[Any], _R], world_size: int, *, backend: str = "gloo", ti
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     url = f"tcp://127.0.0.1:{free_port()}"
-    payload = cloudpickle.dumps((fn, comm_kwargs))
-    procs = [ctx.Process(target=_spawn_worker, args=(r, world_size, url, payload, out, backend, timeout),
+    payload = dumps_code((fn, comm_kwargs))
+    procs = [ctx.Process(target=_spawn_worker, args=(r, world_size, url, payload, out, backend, timeout, os.getpid()),
                          name=f"distcomm-rank-{r}", daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
@@ -237,15 +293,16 @@ def spawn(fn: Callable[[Any], _R], world_size: int, *, backend: str = "gloo", ti
     return _results(got, world_size, timeout, return_exceptions)
 
 
-def _results(got: dict[int, tuple[bool, bytes | None, str]], world_size: int, timeout: float,
-             return_exceptions: bool) -> list[Any]:
+def _results(got: dict[int, _Got], world_size: int, timeout: float, return_exceptions: bool) -> list[Any]:
     errors: dict[int, RankFailedError] = {}
+    when: dict[int, float] = {}
     results: list[Any] = [None] * world_size
     for r in range(world_size):
         if r not in got:
             errors[r] = RankFailedError(f"rank {r} did not finish within {timeout}s and was killed", rank=r)
+            when[r] = time.time()
             continue
-        ok, blob, text = got[r]
+        ok, blob, text, when[r] = got[r]
         try:
             value = cloudpickle.loads(blob) if blob is not None else None
         except Exception as load_error:  # a result or exception that pickles but doesn't load here
@@ -263,8 +320,9 @@ def _results(got: dict[int, tuple[bool, bytes | None, str]], world_size: int, ti
             results[r] = e
         return results
     if errors:
-        causes = [r for r, e in errors.items() if not isinstance(e.exception, DistCommError)] or sorted(errors)
-        r = causes[0]
+        # the first failure heads the message: of the ranks that raised something else than a DistCommError
+        # (a lost peer, a timeout: consequences), died or hung, the earliest; else the lowest rank
+        r = first_failure({o: (isinstance(e.exception, DistCommError), when[o]) for o, e in errors.items()})
         main = errors[r]
         others = "".join(f"\n  {e}" for o, e in sorted(errors.items()) if o != r)
         raise RankFailedError(

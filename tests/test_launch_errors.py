@@ -1,0 +1,57 @@
+"""launch()'s RankFailedError: its first line names the rank that failed first, with what and where."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+# Rank 1 raises before its first collective; a thread of its own (a data loader's, say) holds its
+# exit, so that rank 0, which lost it in all_gather, is the first process to end.
+SCRIPT = textwrap.dedent("""
+    import json, threading, time
+    import distcomm
+
+    def main():
+        comm = distcomm.current()
+        if comm.rank == 1:
+            threading.Thread(target=time.sleep, args=(6,)).start()
+            raise ValueError("shard 7 is empty")
+        comm.all_gather(comm.rank)
+
+    if __name__ == "__main__":
+        try:
+            distcomm.launch(main, 2, timeout=20)
+        except distcomm.RankFailedError as e:
+            print("RESULT", json.dumps({"message": str(e), "rank": e.rank, "traceback": e.remote_traceback,
+                                        "exception": type(e.exception).__name__}), flush=True)
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_the_headline_names_the_rank_that_failed_first(tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=180)
+    results = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    assert results, (out.stdout + out.stderr)[-3000:]
+    got = json.loads(results[0][len("RESULT "):])
+    headline = got["message"].splitlines()[0]
+    assert headline.startswith("rank 1 raised ValueError: shard 7 is empty"), got["message"]
+    raise_line = next(i for i, line in enumerate(SCRIPT.splitlines(), 1) if "raise ValueError" in line)
+    assert f"(in main() at job.py:{raise_line})" in headline, headline  # where it was, in the script
+    assert got["rank"] == 1 and got["exception"] == "ValueError"
+    # the peer that lost it comes after, on a line of its own
+    assert "rank 0 raised" in got["message"] and "all_gather" in got["message"], got["message"]
+    # the remote traceback names the script and shows the line (not "<dynamic-code>")
+    assert f'File "{script}", line {raise_line}, in main' in got["traceback"], got["traceback"]
+    assert 'raise ValueError("shard 7 is empty")' in got["traceback"], got["traceback"]
+    assert "<dynamic-code>" not in got["message"]

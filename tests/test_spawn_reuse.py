@@ -1,0 +1,91 @@
+"""spawn(..., reuse=True): a kept world is one a fresh spawn would make, and it doesn't hold up exit."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from distcomm.testing import spawn
+
+
+def _pid_and_serializer(comm: object) -> tuple[int, str]:
+    return os.getpid(), type(comm.serializer).__name__  # type: ignore[attr-defined]
+
+
+@pytest.mark.timeout(240)
+def test_a_changed_environment_makes_a_fresh_world(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DISTCOMM_SERIALIZER", raising=False)
+    first = spawn(_pid_and_serializer, 2, timeout=60, reuse=True)
+    assert {name for _, name in first} == {"PickleSerializer"}
+    monkeypatch.setenv("DISTCOMM_SERIALIZER", "safe")
+    safe = spawn(_pid_and_serializer, 2, timeout=60, reuse=True)
+    assert {name for _, name in safe} == {"SafeSerializer"}, "a kept world must not outlive its environment"
+    assert not {p for p, _ in safe} & {p for p, _ in first}  # new processes, started in the new environment
+    monkeypatch.delenv("DISTCOMM_SERIALIZER")
+    again = spawn(_pid_and_serializer, 2, timeout=60, reuse=True)
+    assert again == first  # the first world, still kept for its own environment
+
+
+SCRIPT = textwrap.dedent("""
+    import os, threading, time
+    from distcomm.testing import spawn
+
+    def lingering(comm):
+        # a thread that would hold the process's exit for a minute (a busy teardown, say)
+        threading.Thread(target=time.sleep, args=(60,)).start()
+        return os.getpid()
+
+    if __name__ == "__main__":
+        pids = spawn(lingering, 2, timeout=60, reuse=True) + spawn(lingering, 3, timeout=60, reuse=True)
+        print("PIDS", *pids, flush=True)
+""")
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_kept_worlds_end_promptly_at_exit_and_leave_no_process(tmp_path: Path) -> None:
+    script = tmp_path / "kept.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    pids: list[int] = []
+    try:
+        assert proc.stdout is not None
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("PIDS"):
+                pids = [int(p) for p in line.split()[1:]]
+                break
+        assert len(pids) == 5, "".join(lines)[-3000:]
+        done = time.monotonic()
+        rest = proc.communicate(timeout=120)[0]
+        took = time.monotonic() - done
+        assert proc.returncode == 0, rest[-3000:]
+        # the bound catches 5 s per kept world (and more); the exit itself takes a second or two
+        assert took < 8, f"exit took {took:.1f}s after the last spawn returned"
+        deadline = time.monotonic() + 3
+        while any(map(_running, pids)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in pids if _running(p)], "a worker outlived the script"
+    finally:
+        proc.kill()
+        for pid in pids:
+            if _running(pid):
+                os.kill(pid, 9)
