@@ -292,8 +292,13 @@ def failure_text(serializer: Serializer, obj: Any, error: Exception, name: str =
             return [(f"[{i}]", v) for i, v in enumerate(value)]
         if isinstance(value, (set, frozenset)):
             return [(f" (an element: {v!r:.40})", v) for v in value]
+        if isinstance(value, types.FunctionType):  # pickled by value: what its closure and globals hold
+            cells = zip(value.__code__.co_freevars, value.__closure__ or (), strict=False)
+            named = [(n, value.__globals__[n]) for n in value.__code__.co_names if n in value.__globals__]
+            return [(f" (captured {n!r})", _cell(c)) for n, c in cells] + [(f" (global {n!r})", v) for n, v in named]
         attrs = getattr(value, "__dict__", None)
-        if isinstance(attrs, dict):
+        own_reduce = type(value).__reduce__ is not object.__reduce__  # its pickle isn't its __dict__
+        if isinstance(attrs, dict) and not own_reduce:
             return [(f".{k}", v) for k, v in attrs.items()]
         return []
 
@@ -310,6 +315,13 @@ def failure_text(serializer: Serializer, obj: Any, error: Exception, name: str =
     if path == name:
         return text
     return f"{text} (at {path}, a {type(value).__module__}.{type(value).__qualname__})"
+
+
+def _cell(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
 
 
 def default_serializer() -> Serializer:

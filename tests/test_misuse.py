@@ -84,10 +84,12 @@ def test_two_threads_on_one_communicator_fail_every_rank_from_then_on_gloo() -> 
 
 def test_a_communicator_in_a_payload_is_refused_clearly() -> None:
     comm = FakeCommunicator(0, 2)
-    with pytest.raises(distcomm.SerializationError, match="can't be sent to another process"):
+    with pytest.raises(distcomm.SerializationError, match="can't be sent to another process") as e:
         comm.all_gather({"c": comm})
-    with pytest.raises(distcomm.SerializationError, match="can't be sent to another process"):
-        comm.all_gather(lambda: comm.rank)  # a closure that captures it
+    assert "(at obj['c'], a distcomm.testing.FakeCommunicator)" in str(e.value)  # where, not inside it
+    with pytest.raises(distcomm.SerializationError, match="can't be sent to another process") as e:
+        comm.all_gather({"step": lambda: comm.rank})  # a closure that captures it
+    assert "(at obj['step'] (captured 'comm'), a distcomm.testing.FakeCommunicator)" in str(e.value)
     assert comm.all_gather(1) == [1, 1]  # refused on every rank before anything moved: still usable
 
 
