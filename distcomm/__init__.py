@@ -4,7 +4,7 @@
     with comm, distcomm.use(comm):
         results = comm.gather(my_predictions)           # or distcomm.gather(...) via use()
 
-See the README for the whole API, the trust model and the performance figures.
+See the README and docs/ for the whole API, the trust model and the performance figures.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from ._api import (
     all_reduce_dict,
     all_reduce_object,
     all_to_all,
+    barrier,
     broadcast,
     broadcast_tensor,
     create_local_process_group,
@@ -105,6 +106,7 @@ __all__ = [
     "all_reduce_dict",
     "all_reduce_object",
     "all_to_all",
+    "barrier",
     "broadcast",
     "broadcast_tensor",
     "create_local_process_group",

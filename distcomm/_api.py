@@ -23,6 +23,7 @@ __all__ = [
     "all_reduce_dict",
     "all_reduce_object",
     "all_to_all",
+    "barrier",
     "broadcast",
     "broadcast_tensor",
     "create_local_process_group",
@@ -49,13 +50,17 @@ def _dist_on() -> bool:
     return active() is None and dist.is_available() and dist.is_initialized()
 
 
-def get_world_size() -> int:
-    """Number of ranks of the active communicator (1 without one)."""
+def get_world_size(group: Any = None) -> int:
+    """Number of ranks of the active communicator (1 without one), or of ``group``."""
+    if group is not None:
+        return _for_group(group).world_size
     return dist.get_world_size() if _dist_on() else current().world_size
 
 
-def get_rank() -> int:
-    """This process's rank in the active communicator (0 without one)."""
+def get_rank(group: Any = None) -> int:
+    """This process's rank in the active communicator (0 without one), or in ``group``."""
+    if group is not None:
+        return _for_group(group).rank
     return dist.get_rank() if _dist_on() else current().rank
 
 
@@ -93,9 +98,14 @@ def is_main_process() -> bool:
     return get_rank() == 0
 
 
-def synchronize() -> None:
-    """Barrier over the active communicator. Every rank must call it."""
-    current().synchronize()
+def synchronize(group: Any = None) -> None:
+    """Barrier over the active communicator (or ``group``). Every rank must call it."""
+    _for_group(group).synchronize()
+
+
+def barrier(group: Any = None) -> None:
+    """torch's and mmengine's name for ``synchronize``."""
+    _for_group(group).synchronize()
 
 
 def _for_group(group: Any) -> Communicator:
@@ -126,77 +136,94 @@ def gather(data: Any, dst: int = 0, group: Any = None) -> list[Any]:
     return _for_group(group).gather(data, dst)
 
 
-def broadcast(obj: Any = None, src: int = 0) -> Any:
+def broadcast(obj: Any = None, src: int = 0, group: Any = None) -> Any:
     """Send ``obj`` from ``src`` to every rank (see Communicator.broadcast)."""
-    return current().broadcast(obj, src)
+    return _for_group(group).broadcast(obj, src)
 
 
-def scatter(objs: Sequence[Any] | None = None, src: int = 0) -> Any:
+def scatter(objs: Sequence[Any] | None = None, src: int = 0, group: Any = None) -> Any:
     """Send ``objs[r]`` from ``src`` to rank r (see Communicator.scatter)."""
-    return current().scatter(objs, src)
+    return _for_group(group).scatter(objs, src)
 
 
-def shared_random_seed() -> int:
+def shared_random_seed(group: Any = None) -> int:
     """An int in [0, 2**31) that is the same on every rank. Every rank must call it."""
-    return current().shared_random_seed()
+    return _for_group(group).shared_random_seed()
 
 
-def reduce_dict(input_dict: Mapping[Any, torch.Tensor], average: bool = True) -> dict[Any, torch.Tensor]:
-    """Sum or average a dict of scalar tensors onto rank 0 (see Communicator.reduce_dict)."""
-    return current().reduce_dict(input_dict, average)
+def reduce_dict(input_dict: Mapping[Any, Any], average: bool | str = True, group: Any = None, *,
+                op: str | None = None) -> dict[Any, Any]:
+    """Sum or average a dict of scalar tensors (or numbers) onto rank 0 (see Communicator.reduce_dict).
+
+    mmengine's spelling, an op in second place (``reduce_dict(d, "mean")``), works too."""
+    average, op = _average_or_op(average, op)
+    return _for_group(group).reduce_dict(input_dict, average, op=op)
 
 
-def all_reduce_dict(input_dict: Mapping[Any, torch.Tensor], average: bool = True) -> dict[Any, torch.Tensor]:
-    """Sum or average a dict of scalar tensors onto every rank."""
-    return current().all_reduce_dict(input_dict, average)
+def all_reduce_dict(input_dict: Mapping[Any, Any], average: bool | str = True, group: Any = None, *,
+                    op: str | None = None) -> dict[Any, Any]:
+    """Sum or average a dict of scalar tensors (or numbers) onto every rank; ``op``: "sum", "mean",
+    "max" or "min", also in second place as mmengine's ``all_reduce_dict(data, "mean")``."""
+    average, op = _average_or_op(average, op)
+    return _for_group(group).all_reduce_dict(input_dict, average, op=op)
+
+
+def _average_or_op(average: bool | str, op: str | None) -> tuple[bool, str | None]:
+    if isinstance(average, str):  # mmengine's all_reduce_dict(data, op)
+        if op is not None:
+            raise TypeError(f"the op was given twice: {average!r} and op={op!r}")
+        return True, average
+    return average, op
 
 
 # Tensor collectives and object reductions: see the Communicator methods of the same names.
-def all_reduce(tensor: torch.Tensor, op: str = "sum", *, check: bool = True) -> torch.Tensor:
-    """Reduce ``tensor`` in place on every rank of the active communicator; returns it."""
-    return current().all_reduce(tensor, op, check=check)
+def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Any = None, *, check: bool = True) -> torch.Tensor:
+    """Reduce ``tensor`` in place on every rank of the active communicator (or ``group``); returns it."""
+    return _for_group(group).all_reduce(tensor, op, check=check)
 
 
-def reduce(tensor: torch.Tensor, dst: int = 0, op: str = "sum", *, check: bool = True) -> torch.Tensor:
+def reduce(tensor: torch.Tensor, dst: int = 0, op: str = "sum", group: Any = None, *,
+           check: bool = True) -> torch.Tensor:
     """Reduce ``tensor`` in place onto ``dst``; returns it."""
-    return current().reduce(tensor, dst, op, check=check)
+    return _for_group(group).reduce(tensor, dst, op, check=check)
 
 
-def broadcast_tensor(tensor: torch.Tensor, src: int = 0, *, check: bool = True) -> torch.Tensor:
+def broadcast_tensor(tensor: torch.Tensor, src: int = 0, group: Any = None, *, check: bool = True) -> torch.Tensor:
     """Copy ``src``'s tensor into every rank's ``tensor``; returns it."""
-    return current().broadcast_tensor(tensor, src, check=check)
+    return _for_group(group).broadcast_tensor(tensor, src, check=check)
 
 
-def all_gather_tensor(tensor: torch.Tensor, *, check: bool = True) -> torch.Tensor:
+def all_gather_tensor(tensor: torch.Tensor, group: Any = None, *, check: bool = True) -> torch.Tensor:
     """Every rank's tensor concatenated along dim 0, in rank order."""
-    return current().all_gather_tensor(tensor, check=check)
+    return _for_group(group).all_gather_tensor(tensor, check=check)
 
 
-def reduce_scatter_tensor(tensor: torch.Tensor, op: str = "sum", *, check: bool = True) -> torch.Tensor:
+def reduce_scatter_tensor(tensor: torch.Tensor, op: str = "sum", group: Any = None, *,
+                          check: bool = True) -> torch.Tensor:
     """Reduce ``tensor`` across ranks; rank r gets the r-th slice of dim 0."""
-    return current().reduce_scatter_tensor(tensor, op, check=check)
+    return _for_group(group).reduce_scatter_tensor(tensor, op, check=check)
 
 
-def reduce_object(obj: Any, op: str | Callable[[Any, Any], Any], dst: int = 0) -> Any:
+def reduce_object(obj: Any, op: str | Callable[[Any, Any], Any], dst: int = 0, group: Any = None) -> Any:
     """Reduce every rank's object in rank order onto ``dst`` (None elsewhere)."""
-    return current().reduce_object(obj, op, dst)
+    return _for_group(group).reduce_object(obj, op, dst)
 
 
-def all_reduce_object(obj: Any, op: str | Callable[[Any, Any], Any]) -> Any:
+def all_reduce_object(obj: Any, op: str | Callable[[Any, Any], Any], group: Any = None) -> Any:
     """Reduce every rank's object in rank order, result on every rank."""
-    return current().all_reduce_object(obj, op)
+    return _for_group(group).all_reduce_object(obj, op)
 
 
-def scan(obj: Any, op: str | Callable[[Any, Any], Any]) -> Any:
+def scan(obj: Any, op: str | Callable[[Any, Any], Any], group: Any = None) -> Any:
     """Rank r gets the reduction of ranks 0..r's objects."""
-    return current().scan(obj, op)
+    return _for_group(group).scan(obj, op)
 
 
-def exscan(obj: Any, op: str | Callable[[Any, Any], Any]) -> Any:
+def exscan(obj: Any, op: str | Callable[[Any, Any], Any], group: Any = None) -> Any:
     """Rank r gets the reduction of ranks 0..r-1's objects (rank 0: None)."""
-    return current().exscan(obj, op)
+    return _for_group(group).exscan(obj, op)
 
 
-def all_to_all(objs: Sequence[Any]) -> list[Any]:
+def all_to_all(objs: Sequence[Any], group: Any = None) -> list[Any]:
     """Send ``objs[d]`` to rank d; returns what each rank sent this one, by source."""
-    return current().all_to_all(objs)
+    return _for_group(group).all_to_all(objs)

@@ -38,7 +38,7 @@ from ._groups import regroup_machines, split, sub_settings
 from ._memory import seconds
 from ._ops import object_op, tensor_op
 from ._pipeline import run
-from ._reductions import reduce_dict, reduce_objects
+from ._reductions import dict_op, reduce_dict, reduce_objects
 from ._routes.broadcast import tree_send
 from ._serialization import Serializer, default_serializer
 from ._tensors import (
@@ -68,6 +68,16 @@ def _fixed(name: str) -> property:
             f"it alone would refuse or accept payloads its peers don't (make the communicator with {name}=...)")
 
     return property(operator.attrgetter(f"_{name}"), refuse, doc=f"The {name} given when it was made (fixed).")
+
+
+_OTHER_SPELLINGS = {
+    "get_rank": "rank", "get_world_size": "world_size", "get_local_rank": "local_rank", "get_local_size": "local_size",
+    "get_local_process_group": "local_group", "is_main": "is_main_process",
+    "all_gather_object": "all_gather(obj)", "gather_object": "gather(obj, dst)",
+    "broadcast_object_list": "broadcast(obj, src)", "scatter_object_list": "scatter(objs, src)",
+    "all_gather_into_tensor": "all_gather_tensor", "reduce_scatter": "reduce_scatter_tensor",
+}
+"""torch.distributed's and other libraries' names a user reaches for, and distcomm's spelling."""
 
 
 class Communicator(abc.ABC):
@@ -246,6 +256,11 @@ class Communicator(abc.ABC):
             f"connections. Pass what it computes instead, or create a communicator in each process (a "
             f"function sent to launch() or spawn() receives its own)")
 
+    def __getattr__(self, name: str) -> Any:  # only for names it doesn't have
+        spelling = _OTHER_SPELLINGS.get(name)
+        hint = f": distcomm spells it comm.{spelling}" if spelling else ""
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}{hint}")
+
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("broken" if self._broken else "open")
         return f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size}, {state})"
@@ -354,6 +369,10 @@ class Communicator(abc.ABC):
         self._run(CallSpec(Op.BARRIER, -1, None, t, serialize=False))
         self._device_barrier(t)
 
+    def barrier(self, timeout: float | datetime.timedelta | None = None) -> None:
+        """torch's and mmengine's name for ``synchronize``."""
+        self.synchronize(timeout)
+
     def all_gather(self, obj: Any, *, timeout: float | datetime.timedelta | None = None) -> list[Any]:
         """Collect one object from every rank, on every rank.
 
@@ -442,24 +461,26 @@ class Communicator(abc.ABC):
 
     # ------------------------------------------------------------------ dict and object reductions
     def reduce_dict(
-        self, input_dict: Mapping[Any, torch.Tensor], average: bool = True, *,
+        self, input_dict: Mapping[Any, Any], average: bool = True, *, op: str | None = None,
         timeout: float | datetime.timedelta | None = None,
-    ) -> dict[Any, torch.Tensor]:
+    ) -> dict[Any, Any]:
         """Sum (or average) a dict of tensors onto rank 0, element-wise, in one collective.
 
         Every rank must call it with the same keys, and each key's tensor with the same shape on
-        every rank (any shape; scalars are the usual case). Rank 0 gets the reduced dict (keys
-        sorted); other ranks get their input back unchanged. Key sets or shapes that differ raise
-        CollectiveMismatchError on every rank, naming the keys and ranks.
+        every rank (any shape; scalars are the usual case). Values may also be Python numbers or
+        numpy scalars (``loss.item()``), which come back as 0-d tensors. ``op`` ("sum", "mean",
+        "max", "min"), where given, decides instead of ``average``. Rank 0 gets the reduced dict
+        (keys sorted); other ranks get their input back unchanged. Key sets, shapes or ops that
+        differ raise CollectiveMismatchError on every rank, naming the keys and ranks.
         """
-        return reduce_dict(self, input_dict, average, 0, timeout)
+        return reduce_dict(self, input_dict, dict_op(average, op), 0, timeout)
 
     def all_reduce_dict(
-        self, input_dict: Mapping[Any, torch.Tensor], average: bool = True, *,
+        self, input_dict: Mapping[Any, Any], average: bool = True, *, op: str | None = None,
         timeout: float | datetime.timedelta | None = None,
-    ) -> dict[Any, torch.Tensor]:
+    ) -> dict[Any, Any]:
         """Like reduce_dict, but every rank gets the reduced dict."""
-        return reduce_dict(self, input_dict, average, None, timeout)
+        return reduce_dict(self, input_dict, dict_op(average, op), None, timeout)
 
     def reduce_object(self, obj: Any, op: str | Callable[[Any, Any], Any], dst: int = 0, *,
                       timeout: float | datetime.timedelta | None = None) -> Any:

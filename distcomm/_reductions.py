@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import datetime
 import math
+import numbers
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from ._agreement import digest_of, odd_ones
@@ -20,7 +22,8 @@ from ._ops import FoldError, fold_objects
 if TYPE_CHECKING:
     from ._communicator import Communicator
 
-__all__ = ["dict_problem", "dict_signature", "fold_payload", "reduce_dict", "reduce_digest", "reduce_objects"]
+__all__ = ["DICT_OPS", "as_tensors", "dict_op", "dict_problem", "dict_signature", "fold_payload", "reduce_dict",
+           "reduce_digest", "reduce_objects"]
 
 
 def _work_dtype(values: Iterable[Any]) -> torch.dtype:
@@ -34,7 +37,32 @@ def _work_dtype(values: Iterable[Any]) -> torch.dtype:
     return torch.float64
 
 
-def dict_problem(input_dict: Mapping[Any, Any]) -> tuple[list[Any], str | None]:
+DICT_OPS = ("sum", "mean", "max", "min")
+
+
+def dict_op(average: bool, op: str | None) -> str:
+    """reduce_dict's reduction: ``op`` where given ("sum", "mean", "max", "min"), else by ``average``."""
+    if op is None:
+        if not isinstance(average, bool):
+            raise TypeError(f"average must be a bool, got {type(average).__name__}")
+        return "mean" if average else "sum"
+    if op not in DICT_OPS:
+        raise ValueError(f"op must be one of {', '.join(map(repr, DICT_OPS))}, got {op!r}")
+    return op
+
+
+def as_tensors(input_dict: Mapping[Any, Any]) -> Mapping[Any, Any]:
+    """The dict with its Python numbers and numpy scalars as 0-d tensors (the ``loss.item()`` habit)."""
+    if all(isinstance(v, torch.Tensor) for v in input_dict.values()):
+        return input_dict
+    return {k: torch.as_tensor(v) if _is_number(v) else v for k, v in input_dict.items()}
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (numbers.Number, np.generic)) and not isinstance(v, (str, bytes))
+
+
+def dict_problem(input_dict: Mapping[Any, Any], op: str = "sum") -> tuple[list[Any], str | None]:
     """reduce_dict's keys in order, and what makes the dict unfit (every rank reports it), or None."""
     try:
         names = sorted(input_dict.keys())
@@ -43,7 +71,9 @@ def dict_problem(input_dict: Mapping[Any, Any]) -> tuple[list[Any], str | None]:
     for k in names:
         v = input_dict[k]
         if not isinstance(v, torch.Tensor):
-            return names, f"value of {k!r} is a {type(v).__name__}, not a tensor"
+            return names, f"value of {k!r} is a {type(v).__name__}, not a tensor or a number"
+        if op in ("max", "min") and v.is_complex():
+            return names, f"op={op!r} is not defined for complex values ({k!r} is {v.dtype})"
     if len({input_dict[k].device for k in names}) > 1:
         return names, "values are on different devices"
     return names, None
@@ -55,77 +85,93 @@ def dict_signature(d: Mapping[Any, Any]) -> tuple[list[Any], list[tuple[int, ...
     return names, [tuple(torch.as_tensor(d[k]).shape) for k in names], _work_dtype(d.values())
 
 
-def reduce_digest(names: Sequence[Any], shapes: Sequence[tuple[int, ...]], work_dtype: torch.dtype) -> int:
-    """The digest of reduce_dict's keys, shapes and reduce dtype, compared across ranks."""
-    return digest_of([*zip(names, shapes, strict=True), ("reduce dtype", str(work_dtype))])
+def reduce_digest(names: Sequence[Any], shapes: Sequence[tuple[int, ...]], work_dtype: torch.dtype, op: str) -> int:
+    """The digest of reduce_dict's keys, shapes, reduce dtype and op, compared across ranks."""
+    return digest_of([*zip(names, shapes, strict=True), ("reduce dtype", str(work_dtype)), ("op", op)])
 
 
-def reduce_dict(
-    comm: Communicator, input_dict: Mapping[Any, torch.Tensor], average: bool, dst: int | None,
-    timeout: float | datetime.timedelta | None,
-) -> dict[Any, torch.Tensor]:
+def reduce_dict(comm: Communicator, input_dict: Mapping[Any, Any], op: str, dst: int | None,
+                timeout: float | datetime.timedelta | None) -> dict[Any, Any]:
+    """reduce_dict (onto ``dst``) or all_reduce_dict (``dst`` None) with reduction ``op``."""
     comm._check_usable()
     if not isinstance(input_dict, Mapping):
-        raise TypeError(f"reduce_dict needs a dict of tensors, got {type(input_dict).__name__}")
-    if not isinstance(average, bool):
-        raise TypeError(f"average must be a bool, got {type(average).__name__}")
+        raise TypeError(f"reduce_dict needs a dict of tensors or numbers, got {type(input_dict).__name__}")
     t = comm._op_timeout(timeout)
-    op = Op.REDUCE_DICT if dst is not None else Op.ALL_REDUCE_DICT
-    names, problem = dict_problem(input_dict)
+    call = Op.REDUCE_DICT if dst is not None else Op.ALL_REDUCE_DICT
+    input_dict = as_tensors(input_dict)
+    names, problem = dict_problem(input_dict, op)
     if comm._returns_at_once():
         if problem:
-            raise comm._world_of_one_error(op, problem)
+            raise comm._world_of_one_error(call, problem)
         return {k: input_dict[k] for k in names}
     # Every rank reduces in the same dtype whatever its values' dtypes (int64 for dicts of integers,
     # exact; else float64, exact for float32 and for integers below 2**53; complex128 when the dicts
     # hold complex values), and the digest that the first exchange compares covers the keys, their
-    # shapes and that choice.
+    # shapes, that choice and the op.
     shapes: list[tuple[int, ...]] = []
     work_dtype, digest = torch.float64, 0  # with a problem every rank raises before the digests count
     if problem is None:
         names, shapes, work_dtype = dict_signature(input_dict)
-        digest = reduce_digest(names, shapes, work_dtype)
+        digest = reduce_digest(names, shapes, work_dtype, op)
     # the dict rides along unserialized: the fake's scripted peers read it
-    comm._run(CallSpec(op, -1 if dst is None else dst, input_dict, t, serialize=False, digest=digest, invalid=problem,
-                       on_digest_mismatch=lambda: _key_mismatch(comm, names, shapes, work_dtype, t)))
+    mismatch = lambda: _key_mismatch(comm, names, shapes, work_dtype, op, t)  # noqa: E731 - error path only
+    comm._run(CallSpec(call, -1 if dst is None else dst, input_dict, t, serialize=False, digest=digest,
+                       invalid=problem, on_digest_mismatch=mismatch))
     if not names:
         return {}
     with torch.no_grad():
-        flat = [input_dict[k].detach().reshape(-1).to(work_dtype) for k in names]
-        values = flat[0].clone() if len(flat) == 1 else torch.cat(flat)
-        orig = values.device
-        work = values.to(comm.device) if values.device != comm.device else values
-        st = comm._stat(op)
-        t0 = time.perf_counter()
-        # what a ring reduction moves per rank: 2 (world - 1) / world of the values, each way
-        moved = 2 * (comm.world_size - 1) * work.numel() * work.element_size() // comm.world_size
-        comm._count(moved, moved)
-        comm._reduce_tensor(work, dst, t)
-        st.transfer_s += time.perf_counter() - t0
-        if dst is not None and comm.rank != dst:
-            return dict(input_dict)
-        if average:  # (a sum of integers is divided as float64)
-            work = work / comm.world_size if work.is_floating_point() or work.is_complex() else \
-                work.to(torch.float64) / comm.world_size
-        work = work.to(orig)
+        work = _reduced_values(comm, call, [input_dict[k] for k in names], work_dtype, op, dst, t)
+    if work is None:  # reduce_dict off its root
+        return dict(input_dict)
     out, at = {}, 0
     for k, shape in zip(names, shapes, strict=True):
         dt = input_dict[k].dtype
         n = math.prod(shape)
         v = work[at : at + n].reshape(shape)
         at += n
-        # sums keep each value's dtype; averages of integers become the default float dtype
-        keep = not average or dt.is_floating_point or dt.is_complex
+        # each value comes back in its dtype, but averages of integers: the default float dtype
+        keep = op != "mean" or dt.is_floating_point or dt.is_complex
         out[k] = v.to(dt if keep else torch.get_default_dtype())
     return out
 
 
+def _reduced_values(comm: Communicator, call: Op, values: list[torch.Tensor], work_dtype: torch.dtype, op: str,
+                    dst: int | None, timeout: float | None) -> torch.Tensor | None:
+    """The values, flattened end to end in ``work_dtype``, reduced across ranks in one native
+    collective; None off the root of a reduce_dict."""
+    flat = [v.detach().reshape(-1).to(work_dtype) for v in values]
+    work = flat[0].clone() if len(flat) == 1 else torch.cat(flat)
+    orig = work.device
+    work = work.to(comm.device) if work.device != comm.device else work
+    st = comm._stat(call)
+    t0 = time.perf_counter()
+    # what a ring reduction moves per rank: 2 (world - 1) / world of the values, each way
+    moved = 2 * (comm.world_size - 1) * work.numel() * work.element_size() // comm.world_size
+    comm._count(moved, moved)
+    if op in ("sum", "mean"):
+        comm._reduce_tensor(work, dst, timeout)
+    else:
+        comm._tensor_reduce(work, dst, op, timeout)
+    st.transfer_s += time.perf_counter() - t0
+    if dst is not None and comm.rank != dst:
+        return None
+    if op == "mean":  # (a sum of integers is divided as float64)
+        work = work / comm.world_size if work.is_floating_point() or work.is_complex() else \
+            work.to(torch.float64) / comm.world_size
+    return work.to(orig)
+
+
 def _key_mismatch(comm: Communicator, names: list[Any], shapes: list[tuple[int, ...]], work_dtype: torch.dtype,
-                  timeout: float | None) -> None:
-    infos = comm._run(CallSpec(Op.KEYS, -1, ([repr(k) for k in names], shapes, str(work_dtype)), timeout,
+                  op: str, timeout: float | None) -> None:
+    infos = comm._run(CallSpec(Op.KEYS, -1, ([repr(k) for k in names], shapes, str(work_dtype), op), timeout,
                                stat=Op.REDUCE_DICT))
-    everyone = [keys for keys, _, _ in infos]
-    kinds = [kind for _, _, kind in infos]
+    everyone = [keys for keys, _, _, _ in infos]
+    ops = [o for _, _, _, o in infos]
+    if len(set(ops)) > 1:
+        rows = "\n".join(f"  rank {r}: op={o!r}" for r, o in enumerate(ops))
+        raise CollectiveMismatchError(f"reduce_dict: the ranks asked for different reductions:\n{rows}",
+                                      op="reduce_dict", ranks=odd_ones(ops))
+    kinds = [kind for _, _, kind, _ in infos]
     if len(set(kinds)) > 1:
         described = {"torch.int64": "only integer or bool values (reduced exactly, in int64)",
                      "torch.float64": "floating point values (reduced in float64)",
@@ -146,7 +192,7 @@ def _key_mismatch(comm: Communicator, names: list[Any], shapes: list[tuple[int, 
             "reduce_dict: the ranks' dicts have different keys:\n" + "\n".join(lines),
             op="reduce_dict", ranks=[r for r, ks in enumerate(everyone) if set(ks) != set(union)],
         )
-    table = [dict(zip(ks, map(tuple, shp), strict=True)) for ks, shp, _ in infos]
+    table = [dict(zip(ks, map(tuple, shp), strict=True)) for ks, shp, _, _ in infos]
     odd_keys = [k for k in union if len({t[k] for t in table}) > 1]
     lines = [f"  {k}: " + ", ".join(f"rank {r} {t[k]}" for r, t in enumerate(table)) for k in odd_keys]
     raise CollectiveMismatchError(

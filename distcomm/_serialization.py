@@ -297,7 +297,7 @@ def failure_text(serializer: Serializer, obj: Any, error: Exception, name: str =
             named = [(n, value.__globals__[n]) for n in value.__code__.co_names if n in value.__globals__]
             return [(f" (captured {n!r})", _cell(c)) for n, c in cells] + [(f" (global {n!r})", v) for n, v in named]
         attrs = getattr(value, "__dict__", None)
-        own_reduce = type(value).__reduce__ is not object.__reduce__  # its pickle isn't its __dict__
+        own_reduce = type(value).__reduce__ is not _OBJECT_REDUCE  # its pickle isn't its __dict__
         if isinstance(attrs, dict) and not own_reduce:
             return [(f".{k}", v) for k, v in attrs.items()]
         return []
@@ -315,6 +315,9 @@ def failure_text(serializer: Serializer, obj: Any, error: Exception, name: str =
     if path == name:
         return text
     return f"{text} (at {path}, a {type(value).__module__}.{type(value).__qualname__})"
+
+
+_OBJECT_REDUCE: Any = object.__reduce__
 
 
 def _cell(cell: Any) -> Any:

@@ -117,9 +117,10 @@ def test_helper_signatures_match_the_reference() -> None:
         "gather": [("data", inspect.Parameter.empty), ("dst", 0), ("group", None)],
         "reduce_dict": [("input_dict", inspect.Parameter.empty), ("average", True)],
     }
-    for name, params in want.items():
-        sig = inspect.signature(getattr(distcomm, name))
-        assert [(p.name, p.default) for p in sig.parameters.values()] == params, name
+    for name, params in want.items():  # the reference's parameters first; anything added is optional
+        got = list(inspect.signature(getattr(distcomm, name)).parameters.values())
+        assert [(p.name, p.default) for p in got[: len(params)]] == params, name
+        assert all(p.default is not inspect.Parameter.empty for p in got[len(params) :]), name
 
 
 def test_gloo_before_init_says_how_to_start() -> None:
@@ -162,8 +163,12 @@ def test_bad_arguments_are_clear() -> None:
         comm.scatter([1, 2])
     with pytest.raises(TypeError, match="dict of tensors"):
         comm.reduce_dict([1, 2])  # type: ignore[arg-type]
-    with pytest.raises(distcomm.CollectiveError, match="not a tensor"):
-        comm.reduce_dict({"a": 1.0})  # type: ignore[dict-item]
+    with pytest.raises(distcomm.CollectiveError, match="not a tensor or a number"):
+        comm.reduce_dict({"a": "1.0"})
+    with pytest.raises(ValueError, match="op must be one of 'sum', 'mean', 'max', 'min'"):
+        comm.all_reduce_dict({"a": 1.0}, op="prod")
+    with pytest.raises(TypeError, match="average must be a bool"):
+        comm.all_reduce_dict({"a": 1.0}, average="mean")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="world_size must be"):
         FakeCommunicator(0, 0)
     with pytest.raises(ValueError, match="rank=3 is out of range"):

@@ -15,8 +15,8 @@ from .. import _frame
 from .._all_to_all import all_to_all_problem
 from .._calls import CallSpec, Op
 from .._communicator import COLLECTIVES, Communicator
-from .._ops import object_op, tensor_op
-from .._reductions import dict_problem, dict_signature, fold_payload, reduce_digest
+from .._ops import fold_tensors, object_op, tensor_op
+from .._reductions import as_tensors, dict_op, dict_problem, dict_signature, fold_payload, reduce_digest
 from .._routes import BROADCAST, GATHER, ROUTES, SCATTER, build_slot, over_max_bytes
 from .._routes.broadcast import received_from
 from .._routes.gather import subtrees, tree_gather_totals
@@ -119,11 +119,17 @@ class FakeCommunicator(Communicator):
         name, args = self._called
         return tensor_op(args["op"]) if "op" in args and name in _TENSOR_LABELS else None
 
+    def _dict_op(self) -> str:
+        """The reduction of the reduce_dict in progress, as the user asked for it."""
+        args = self._called[1]
+        return dict_op(args.get("average", True), args.get("op"))
+
     def _start_exchange(self, spec: CallSpec) -> None:
         """Learn what the peers need to know of a collective before its first exchange."""
         op = spec.op
         if op in (Op.REDUCE_DICT, Op.ALL_REDUCE_DICT) and isinstance(spec.obj, Mapping):
-            self._peer_dicts = {r: self._peers(op.label, r, spec.obj) for r in range(self._size) if r != self._rank}
+            self._peer_dicts = {r: _as_dict_values(self._peers(op.label, r, spec.obj))
+                                for r in range(self._size) if r != self._rank}
             try:
                 self._names = sorted(spec.obj)
             except TypeError:
@@ -155,10 +161,10 @@ class FakeCommunicator(Communicator):
         if op in (Op.BARRIER, Op.REDUCE_DICT, Op.ALL_REDUCE_DICT):
             digest = 0
             if op is not Op.BARRIER:
-                problem = dict_problem(self._peer_dicts[r])[1]  # a real peer would report its dict unfit
+                problem = dict_problem(self._peer_dicts[r], self._dict_op())[1]  # as that peer would report it
                 if problem is not None:
                     return self._status_slot(r, _frame.INVALID, problem, size)
-                digest = reduce_digest(*dict_signature(self._peer_dicts[r]))
+                digest = reduce_digest(*dict_signature(self._peer_dicts[r]), self._dict_op())
             return _frame.encode(op, seq, root, digest, [], size)
         if op in _TENSOR_OPS:
             reduce_op = self._user_reduce_op()
@@ -172,7 +178,7 @@ class FakeCommunicator(Communicator):
             return self._all_to_all_slot(r, obj, size)
         if op is Op.KEYS:
             names, shapes, work_dtype = dict_signature(self._peer_dicts[r])
-            pobj: Any = ([repr(k) for k in names], shapes, str(work_dtype))
+            pobj: Any = ([repr(k) for k in names], shapes, str(work_dtype), self._dict_op())
         elif op is Op.TENSOR_INFO:
             theirs = self._peer_tensor(r, self._called[1]["tensor"])
             pobj = (str(theirs.dtype), tuple(theirs.shape), self._user_reduce_op())
@@ -316,15 +322,25 @@ class FakeCommunicator(Communicator):
                 filled += take
 
     def _reduce_tensor(self, tensor: torch.Tensor, dst: int | None, timeout: float | None) -> None:
-        total = torch.zeros_like(tensor)
-        for r in range(self._size):
-            if r == self._rank:
-                total += tensor
-            else:
-                d = self._peer_dicts[r]
-                total += torch.cat([torch.as_tensor(d[k]).detach().reshape(-1) for k in self._names]).to(tensor)
+        self._fold_dicts(tensor, dst, "sum")
+
+    def _tensor_reduce(self, tensor: torch.Tensor, dst: int | None, op: str, timeout: float | None) -> None:
+        if self._called[0] in ("reduce_dict", "all_reduce_dict"):  # its max or min: the peers' dicts
+            self._fold_dicts(tensor, dst, op)
+        else:
+            super()._tensor_reduce(tensor, dst, op, timeout)
+
+    def _fold_dicts(self, tensor: torch.Tensor, dst: int | None, op: str) -> None:
+        """reduce_dict's reduction: this rank's values (``tensor``) with the peers' dicts' values."""
+        values = [tensor if r == self._rank else torch.cat(
+            [torch.as_tensor(self._peer_dicts[r][k]).detach().reshape(-1) for k in self._names]).to(tensor)
+            for r in range(self._size)]
         if dst is None or dst == self._rank:
-            tensor.copy_(total)
+            tensor.copy_(fold_tensors(values, op))
+
+
+def _as_dict_values(d: Any) -> Any:
+    return as_tensors(d) if isinstance(d, Mapping) else d
 
 
 # Every public collective is recorded in ``calls`` with its arguments (but timeout and check).
