@@ -37,7 +37,7 @@ def all_to_all(comm: Communicator, objs: Sequence[Any], problem: str | None, tim
     """Send ``objs[d]`` to rank d; returns what each rank sent this one, by source."""
     t0 = time.perf_counter()
     segments, lengths, status, problem = _serialize(comm, objs, problem)
-    comm._run(CallSpec(Op.ALL_TO_ALL, -1, objs, timeout, serialize=False, invalid=problem, status=status))
+    comm._run(CallSpec(Op.ALL_TO_ALL, -1, objs, timeout, serialize=False, problem=problem, status=status))
     st = comm._cur
     t1 = time.perf_counter()
     seq = comm._seq
@@ -101,7 +101,7 @@ def _move(comm: Communicator, seq: int, segments: list[list[memoryview]], length
         if d != me:
             _frame.pack_into(send_view[at : at + lengths[d]], segs)
             at += lengths[d]
-    del segments  # the streams, now copied
+    segments.clear()  # the streams, now copied (the caller's list: nothing keeps them)
     recv = torch.empty(sum(got), dtype=torch.uint8)
     comm._count(send.numel(), recv.numel())
     comm._alltoallv(send, lengths, recv, got, timeout)

@@ -74,8 +74,8 @@ class CallSpec:
         serialize: False for collectives whose slot carries only a header (barrier, the checks of
             tensor collectives and reduce_dict): the call then returns after the first exchange.
         digest: 8 bytes every rank must agree on (keys and shapes, dtypes), compared in the slots.
-        invalid: this rank's input is unfit: the message every rank reports (with ``status``).
-        status: the status ``invalid`` is reported with.
+        problem: this rank's input is unfit: the message every rank reports (with ``status``).
+        status: the status ``problem`` is reported with.
         on_digest_mismatch: raises the error that names what differs, when digests disagree.
         slot_size: the first exchange's slot size (default: the communicator's).
         inline: with ``serialize=False``, 8 bytes every rank carries in its slot; the call then
@@ -83,18 +83,14 @@ class CallSpec:
         stat: count this call under that op (an error-path exchange of another collective).
     """
 
-    __slots__ = ("digest", "inline", "invalid", "obj", "on_digest_mismatch", "op", "root", "serialize",
-                 "slot_size", "stat", "status", "timeout")
+    __slots__ = ("counted_as", "digest", "inline", "obj", "on_digest_mismatch", "op", "problem", "root",
+                 "serialize", "slot_size", "stat", "status", "timeout")
 
     def __init__(self, op: Op, root: int, obj: Any, timeout: float | None, *, serialize: bool = True,
-                 digest: int = 0, invalid: str | None = None, status: int = _frame.INVALID,
+                 digest: int = 0, problem: str | None = None, status: int = _frame.INVALID,
                  on_digest_mismatch: Callable[[], None] | None = None, slot_size: int | None = None,
                  inline: bytes | None = None, stat: Op | None = None) -> None:
         self.op, self.root, self.obj, self.timeout = op, root, obj, timeout
-        self.serialize, self.digest, self.invalid, self.status = serialize, digest, invalid, status
+        self.serialize, self.digest, self.problem, self.status = serialize, digest, problem, status
         self.on_digest_mismatch, self.slot_size, self.inline, self.stat = on_digest_mismatch, slot_size, inline, stat
-
-    @property
-    def counted_as(self) -> Op:
-        """The op whose counters this call adds to."""
-        return self.op if self.stat is None else self.stat
+        self.counted_as = op if stat is None else stat  # the op whose counters this call adds to

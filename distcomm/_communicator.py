@@ -433,7 +433,7 @@ class Communicator(abc.ABC):
                     raise self._world_of_one_error(Op.SCATTER, problem)
                 assert objs is not None
                 return objs[0]
-        return self._run(CallSpec(Op.SCATTER, src, objs, t, invalid=problem))[self.rank]
+        return self._run(CallSpec(Op.SCATTER, src, objs, t, problem=problem))[self.rank]
 
     def shared_random_seed(self, *, timeout: float | datetime.timedelta | None = None) -> int:
         """An int in [0, 2**31) that is the same on every rank (drawn by rank 0 from numpy's RNG)."""

@@ -36,11 +36,18 @@ def run(comm: Communicator, spec: CallSpec) -> list[Any]:
 
     With ``spec.inline``, every rank's 8 bytes as ints; with ``serialize=False`` otherwise, [].
     """
+    comm._call = spec
+    try:
+        return _run(comm, spec)
+    finally:  # the call's objects are the user's: nothing keeps them once it returns
+        comm._call = None
+
+
+def _run(comm: Communicator, spec: CallSpec) -> list[Any]:
     op, root, timeout = spec.op, spec.root, spec.timeout
     counted_as = spec.counted_as
     st = comm._stat(counted_as)
     comm._op_label = counted_as.label
-    comm._call = spec
     route = ROUTES[op]
     t0 = time.perf_counter()
     size = comm._slot_size if spec.slot_size is None else spec.slot_size
@@ -59,10 +66,23 @@ def run(comm: Communicator, spec: CallSpec) -> list[Any]:
     t1 = time.perf_counter()
     st.serialize_s += t1 - t0
 
-    raw, alike = comm._exchange_slots(out.slot, size, timeout, route.carried(comm, root, out),
-                                      route.own_slots(comm, root, out))
+    raw, alike = comm._exchange_slots(out.slot, size, timeout,
+                                      route.carried(comm, root, out) if route.carries else (),
+                                      route.own_slots(comm, root, out) if route.sends_own_slots else ())
     slots = _frame.Slots(raw, size, comm.rank, out.mine)
-    _check_agreement(comm, spec, route, seq, out, raw, alike, slots, size)
+    # max_bytes caps serialized payloads (set-up precedes agreement on it; inline words aren't payloads)
+    cap = comm.max_bytes if spec.serialize and op is not _SETUP else None
+    # where the exchange didn't say which slots are alike (``alike``): the slot every rank but
+    # ``odd`` sends when all is well, where it is known, to compare the slots with as bytes
+    common, odd = None, -1
+    if alike is None:
+        if route.expects_common:
+            common, odd = route.expected_slot(comm, spec, seq, out, size)
+        elif not spec.serialize and spec.inline is None:
+            common = out.slot
+    if not _frame.agreed(raw, comm.world_size, size, out.slot, digests=spec.on_digest_mismatch is not None,
+                         cap=cap, common=common, odd=odd, alike=alike):
+        _disagreement(comm, spec, seq, out.message, raw, slots, size, cap)
     if not spec.serialize:
         st.transfer_s += time.perf_counter() - t1
         return [] if spec.inline is None else list(_frame.inline_words(raw, comm.world_size, size).tolist())
@@ -89,8 +109,8 @@ def _serialize(comm: Communicator, route: Route, spec: CallSpec) -> tuple[list[l
     """This rank's parts, or the status and message of why it can't take part."""
     if comm._misused is not None:  # reported to every rank, at every call (see _exclusive)
         return [], _frame.INVALID, f"{comm._misused}; this communicator fails every later collective"
-    if spec.invalid is not None:
-        return [], spec.status, spec.invalid
+    if spec.problem is not None:
+        return [], spec.status, spec.problem
     if not spec.serialize:
         return ([[memoryview(spec.inline)]] if spec.inline is not None else []), _frame.OK, ""
     parts, status, message = route.serialize(comm, spec.root, spec.obj, comm.rank)
@@ -102,28 +122,14 @@ def _serialize(comm: Communicator, route: Route, spec: CallSpec) -> tuple[list[l
     return parts, status, message
 
 
-def _check_agreement(comm: Communicator, spec: CallSpec, route: Route, seq: int, out: Any, raw: memoryview,
-                     alike: Any, slots: _frame.Slots, size: int) -> None:
-    """Raise the same error on every rank unless every rank called the same and is fine: the
-    common case in a few comparisons; anything else goes through the full check, which names it."""
-    # max_bytes caps serialized payloads (set-up precedes agreement on it; inline words aren't payloads)
-    cap = comm.max_bytes if spec.serialize and spec.op is not _SETUP else None
-    # where the exchange didn't say which slots are alike (``alike``): the slot every rank but
-    # ``odd`` sends when all is well, where it is known, to compare the slots with as bytes
-    common, odd = None, -1
-    if alike is None:
-        common, odd = route.expected_slot(comm, spec, seq, out, size)
-        if common is None and not spec.serialize and spec.inline is None:
-            common = out.slot
-    world = comm.world_size
-    if _frame.agreed(raw, world, size, out.slot, digests=spec.on_digest_mismatch is not None, cap=cap,
-                     common=common, odd=odd, alike=alike):
-        return
+def _disagreement(comm: Communicator, spec: CallSpec, seq: int, message: str, raw: memoryview,
+                  slots: _frame.Slots, size: int, cap: int | None) -> None:
+    """The slots' quick check failed: raise the same error on every rank, naming who differs."""
     try:
-        heads = _frame.headers(raw, world, size)
+        heads = _frame.headers(raw, comm.world_size, size)
     except FrameError as e:
         raise FrameError(f"{spec.op.label} #{seq}: a slot is corrupt: {e}", op=spec.op.label) from e
-    agree(comm, spec.op, seq, spec.root, heads, slots, out.message, spec.timeout, cap)
+    agree(comm, spec.op, seq, spec.root, heads, slots, message, spec.timeout, cap)
     if spec.on_digest_mismatch is not None and (heads["digest"] != heads["digest"][0]).any():
         spec.on_digest_mismatch()
 

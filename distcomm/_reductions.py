@@ -116,7 +116,7 @@ def reduce_dict(comm: Communicator, input_dict: Mapping[Any, Any], op: str, dst:
     # the dict rides along unserialized: the fake's scripted peers read it
     mismatch = lambda: _key_mismatch(comm, names, shapes, work_dtype, op, t)  # noqa: E731 - error path only
     comm._run(CallSpec(call, -1 if dst is None else dst, input_dict, t, serialize=False, digest=digest,
-                       invalid=problem, on_digest_mismatch=mismatch))
+                       problem=problem, on_digest_mismatch=mismatch))
     if not names:
         return {}
     with torch.no_grad():
@@ -163,42 +163,41 @@ def _reduced_values(comm: Communicator, call: Op, values: list[torch.Tensor], wo
 
 def _key_mismatch(comm: Communicator, names: list[Any], shapes: list[tuple[int, ...]], work_dtype: torch.dtype,
                   op: str, timeout: float | None) -> None:
+    """The digests differ: every rank's keys, shapes, kind of values and op, in one more exchange;
+    raises the error that names what differs first of the op, the keys, the shapes, the kinds."""
     infos = comm._run(CallSpec(Op.KEYS, -1, ([repr(k) for k in names], shapes, str(work_dtype), op), timeout,
                                stat=Op.REDUCE_DICT))
-    everyone = [keys for keys, _, _, _ in infos]
     ops = [o for _, _, _, o in infos]
     if len(set(ops)) > 1:
         rows = "\n".join(f"  rank {r}: op={o!r}" for r, o in enumerate(ops))
         raise CollectiveMismatchError(f"reduce_dict: the ranks asked for different reductions:\n{rows}",
                                       op="reduce_dict", ranks=odd_ones(ops))
-    kinds = [kind for _, _, kind, _ in infos]
-    if len(set(kinds)) > 1:
-        described = {"torch.int64": "only integer or bool values (reduced exactly, in int64)",
-                     "torch.float64": "floating point values (reduced in float64)",
-                     "torch.complex128": "complex values (reduced in complex128)"}
-        rows = "\n".join(f"  rank {r}: {described.get(kind, kind)}" for r, kind in enumerate(kinds))
-        raise CollectiveMismatchError(
-            f"reduce_dict: the ranks' dicts hold different kinds of values; every rank must pass the same "
-            f"kinds (convert integers with .float() to reduce them with floats):\n{rows}", op="reduce_dict",
-            ranks=odd_ones(kinds))
+    everyone = [keys for keys, _, _, _ in infos]
     union = sorted(set().union(*[set(ks) for ks in everyone]))
-    lines = []
-    for r, ks in enumerate(everyone):
-        missing = [k for k in union if k not in ks]
-        if missing:
-            lines.append(f"  rank {r} lacks {', '.join(missing)}")
+    lines = [f"  rank {r} lacks {', '.join(k for k in union if k not in ks)}"
+             for r, ks in enumerate(everyone) if set(ks) != set(union)]
     if lines:
         raise CollectiveMismatchError(
             "reduce_dict: the ranks' dicts have different keys:\n" + "\n".join(lines),
-            op="reduce_dict", ranks=[r for r, ks in enumerate(everyone) if set(ks) != set(union)],
-        )
+            op="reduce_dict", ranks=[r for r, ks in enumerate(everyone) if set(ks) != set(union)])
     table = [dict(zip(ks, map(tuple, shp), strict=True)) for ks, shp, _, _ in infos]
     odd_keys = [k for k in union if len({t[k] for t in table}) > 1]
-    lines = [f"  {k}: " + ", ".join(f"rank {r} {t[k]}" for r, t in enumerate(table)) for k in odd_keys]
+    if odd_keys:
+        lines = [f"  {k}: " + ", ".join(f"rank {r} {t[k]}" for r, t in enumerate(table)) for k in odd_keys]
+        raise CollectiveMismatchError(
+            "reduce_dict: a key's tensors have different shapes on different ranks:\n" + "\n".join(lines),
+            op="reduce_dict", ranks=odd_ones([[t[k] for k in odd_keys] for t in table]))
+    kinds = [kind for _, _, kind, _ in infos]
+    rows = "\n".join(f"  rank {r}: {_KINDS.get(kind, kind)}" for r, kind in enumerate(kinds))
     raise CollectiveMismatchError(
-        "reduce_dict: a key's tensors have different shapes on different ranks:\n" + "\n".join(lines),
-        op="reduce_dict", ranks=odd_ones([[t[k] for k in odd_keys] for t in table]),
-    )
+        f"reduce_dict: the ranks' dicts hold different kinds of values; every rank must pass the same "
+        f"kinds (convert integers with .float() to reduce them with floats):\n{rows}", op="reduce_dict",
+        ranks=odd_ones(kinds))
+
+
+_KINDS = {"torch.int64": "only integer or bool values (reduced exactly, in int64)",
+          "torch.float64": "floating point values (reduced in float64)",
+          "torch.complex128": "complex values (reduced in complex128)"}
 
 
 def reduce_objects(comm: Communicator, op: Op, obj: Any, name: str, fn: Callable[[Any, Any], Any], root: int,

@@ -296,11 +296,18 @@ def failure_text(serializer: Serializer, obj: Any, error: Exception, name: str =
             cells = zip(value.__code__.co_freevars, value.__closure__ or (), strict=False)
             named = [(n, value.__globals__[n]) for n in value.__code__.co_names if n in value.__globals__]
             return [(f" (captured {n!r})", _cell(c)) for n, c in cells] + [(f" (global {n!r})", v) for n, v in named]
-        attrs = getattr(value, "__dict__", None)
-        own_reduce = type(value).__reduce__ is not _OBJECT_REDUCE  # its pickle isn't its __dict__
-        if isinstance(attrs, dict) and not own_reduce:
-            return [(f".{k}", v) for k, v in attrs.items()]
-        return []
+        try:  # what pickle takes of it: an object that refuses (a communicator) is itself the culprit
+            reduced = value.__reduce_ex__(5)
+        except Exception:
+            return []
+        state = reduced[2] if isinstance(reduced, tuple) and len(reduced) > 2 else None
+        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):  # (dict, slots)
+            state = {**(state[0] or {}), **state[1]}
+        args = reduced[1] if isinstance(reduced, tuple) and len(reduced) > 1 and isinstance(reduced[1], tuple) else ()
+        found = [(f" (argument {i})", a) for i, a in enumerate(args)]
+        if isinstance(state, dict):
+            found += [(f".{k}", v) for k, v in state.items()]
+        return found
 
     path, value = name, obj
     for _ in range(64):
@@ -315,9 +322,6 @@ def failure_text(serializer: Serializer, obj: Any, error: Exception, name: str =
     if path == name:
         return text
     return f"{text} (at {path}, a {type(value).__module__}.{type(value).__qualname__})"
-
-
-_OBJECT_REDUCE: Any = object.__reduce__
 
 
 def _cell(cell: Any) -> Any:

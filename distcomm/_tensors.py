@@ -183,7 +183,7 @@ def _check(comm: Communicator, op: Op, root: int, tensor: torch.Tensor, reduce_o
     """Compare the ranks' dtypes, shapes and reduce ops in one exchange; all_gather_tensor's
     first dimensions ride along (returned, per rank)."""
     digest, inline = tensor_fields(op, tensor, reduce_op, problem)
-    return comm._run(CallSpec(op, root, tensor, timeout, serialize=False, digest=digest, invalid=problem,
+    return comm._run(CallSpec(op, root, tensor, timeout, serialize=False, digest=digest, problem=problem,
                               inline=inline,
                               on_digest_mismatch=lambda: _mismatch(comm, op, tensor, reduce_op, timeout)))
 

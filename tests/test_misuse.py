@@ -135,3 +135,23 @@ def _local_group_names(comm: distcomm.Communicator) -> tuple[bool, bool, bool]:
 
 def test_the_local_process_group_exists_once_asked_for() -> None:
     assert spawn(_local_group_names, 2, timeout=120) == [(True, True, True)] * 2
+
+
+class _Payload:
+    """An object a weak reference can watch."""
+
+
+def test_a_collective_keeps_nothing_of_the_users_objects() -> None:
+    import gc
+    import weakref
+
+    def call(comm: distcomm.Communicator) -> bool:
+        t, d = torch.ones(3), _Payload()
+        refs = [weakref.ref(t), weakref.ref(d)]
+        comm.all_reduce(t)
+        comm.broadcast(d)
+        del t, d
+        gc.collect()
+        return all(r() is None for r in refs)
+
+    assert run_threaded(call, 2) == [True, True]

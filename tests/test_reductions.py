@@ -66,3 +66,17 @@ def test_dicts_of_different_kinds_name_each_ranks_kind() -> None:
     for got in (run_threaded(_kinds_differ, 2), spawn(_kinds_differ, 2, timeout=120)):
         assert got[0] == got[1] and "rank 0: only integer or bool values" in got[0]
         assert "rank 1: floating point values" in got[0]
+
+
+def _missing_key_of_another_kind(comm: distcomm.Communicator) -> str:
+    d = {"n": torch.tensor(3), "loss": torch.tensor(0.5)} if comm.rank == 0 else {"n": torch.tensor(3)}
+    try:
+        comm.all_reduce_dict(d)
+    except distcomm.CollectiveMismatchError as e:
+        return str(e)
+    return "returned"
+
+
+def test_a_missing_key_is_named_before_the_kinds_of_values() -> None:
+    got = run_threaded(_missing_key_of_another_kind, 2)
+    assert got[0] == got[1] and "rank 1 lacks 'loss'" in got[0] and "kinds" not in got[0]

@@ -87,12 +87,17 @@ class Route(abc.ABC):
 
     The pipeline (``_pipeline.run``) calls these in order on every rank: ``serialize`` this rank's
     object into parts, ``build`` the slot of the first exchange (and what rides with it:
-    ``carried``, ``own_slots``), ``expected_slot`` for the agreement's fast check, ``move`` what
+    ``carried``, ``own_slots``, where the route's flags say so), ``expected_slot`` for the
+    agreement's fast check, ``move`` what
     didn't fit the slots, then ``own_result`` and ``lands_at`` to assemble the results. The
     defaults are the all_gather route's: every rank sends one part to every rank.
     """
 
     name: str
+    # which of the optional steps the route takes (flags: the pipeline skips a call per step it doesn't)
+    carries = False  # ``carried``: segments ride in the first exchange after the root's slot
+    sends_own_slots = False  # ``own_slots``: each rank gets a slot of its own in the first exchange
+    expects_common = False  # ``expected_slot``: every slot but the root's is known before the exchange
 
     def serialize(self, comm: Communicator, root: int, obj: Any, rank: int) -> tuple[list[list[memoryview]], int, str]:
         """``rank``'s segments per part, plus a status and message when it can't take part."""

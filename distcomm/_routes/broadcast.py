@@ -25,6 +25,8 @@ class BroadcastRoute(Route):
     """broadcast (and shared_random_seed, and an object reduction's result): the root's part to every rank."""
 
     name = "broadcast"
+    carries = True
+    expects_common = True
 
     def serialize(self, comm: Communicator, root: int, obj: Any, rank: int) -> tuple[list[list[memoryview]], int, str]:
         if rank != root:

@@ -23,7 +23,9 @@ class ScatterRoute(DirectRoute):
     """scatter (and a prefix reduction's results): part r of the root's to rank r."""
 
     name = "scatter"
-    counts_per_rank = False  # a receiver's plan stays O(1)
+    counts_per_rank = False  # a receiver's plan stays O(1), and there is no all-to-all
+    sends_own_slots = True
+    expects_common = True
 
     def serialize(self, comm: Communicator, root: int, obj: Any, rank: int) -> tuple[list[list[memoryview]], int, str]:
         if rank != root:
@@ -76,9 +78,6 @@ class ScatterRoute(DirectRoute):
         if comm.rank == root:
             return [(r, r) for r in range(comm.world_size) if r != root], []
         return [], [(root, slots[0], 0)]
-
-    def alltoall_fits(self, comm: Communicator, root: int, slots: _frame.Slots) -> bool:
-        return False
 
     def own_result(self, comm: Communicator, root: int, obj: Any) -> Any:
         return obj[comm.rank] if comm.rank == root else None
