@@ -21,6 +21,13 @@ counted bytes before reading them). On top of it:
 - **Memo and opcodes**: memo indices must be consecutive; a placeholder can't be fetched from the
   memo or duplicated before its state is set; extension codes (objects copyreg cached, which the
   allowlist never sees) are refused.
+- **Work**: hashing a tuple visits every path through it, and CPython caches no tuple's hash, so a
+  tuple that reuses its halves 40 times over (88 bytes with memo references) takes 2**40 steps as a
+  dict key. The loader knows, for each tuple, frozenset and structured numpy dtype it builds, how
+  many entries hashing (or comparing) it visits, counting a part once per reference; every key,
+  set element and state it hashes is charged that, within a budget per byte received.
+- **Globals** load as themselves (``loads(dumps(float)) is float``): a call of one goes through its
+  checked version, so an allowlisted class or function kept as a value is the real one.
 - Error messages show payload values through a bounded repr.
 """
 
@@ -43,7 +50,24 @@ from ._errors import UnsafePayloadError
 
 _NP_CORE: Any = getattr(np, "_core", None) or np.core  # numpy 2 names it _core
 
-_REPR = reprlib.Repr()
+def _dtype_text(d: np.dtype[Any]) -> str:
+    """A dtype in bounded text (a structured one that reuses its fields prints every path through them)."""
+    if d.names is not None:
+        names = ", ".join(repr(n)[:20] for n in d.names[:4]) + (", ..." if len(d.names) > 4 else "")
+        return f"<structured dtype ({names}), {d.itemsize} bytes>"
+    if d.subdtype is not None:
+        return f"<subarray dtype ({_dtype_text(d.subdtype[0])}, {_REPR.repr(d.subdtype[1])})>"
+    return str(d)
+
+
+class _BoundedRepr(reprlib.Repr):
+    def repr1(self, x: Any, level: int) -> str:
+        if isinstance(x, np.dtype):
+            return _dtype_text(x)
+        return super().repr1(x, level)
+
+
+_REPR = _BoundedRepr()
 _REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 2, 60, 60, 60
 for _attr in ("maxlist", "maxtuple", "maxdict", "maxset", "maxfrozenset", "maxdeque", "maxarray"):
     setattr(_REPR, _attr, 4)
@@ -54,6 +78,8 @@ def _show(x: Any) -> str:
     if isinstance(x, (str, bytes, bytearray, int, float, complex, bool, type(None), list, tuple, dict, set,
                       frozenset, np.dtype)):
         return _REPR.repr(x)
+    if isinstance(x, type):
+        return f"the class {x.__module__}.{x.__qualname__}"
     return f"<{type(x).__module__}.{type(x).__qualname__}>"
 
 
@@ -67,6 +93,16 @@ _CALL_COST = 1024  # what one constructor call may allocate beyond its data (a t
 _CALL_BUDGET = 100  # bytes that calls may allocate per byte received (plus 1 MiB)
 _MAX_DTYPE_NESTING = 32  # structured dtypes inside structured dtypes
 _MAX_NESTING = 100  # tuples and frozensets in tuples and frozensets: hashing them recurses in C, unguarded
+_HASH_BUDGET = 64  # entries that hashing keys may visit per byte received (plus _HASH_FREE)
+_HASH_FREE = 1 << 22  # about 0.1 s of tuple hashing
+_DTYPE_ENTRY = 16  # hashing or comparing a structured dtype's field costs about 16 tuple entries
+_INT_BYTES = 32  # hashing an int costs about one tuple entry per 32 bytes of it
+_BIG_INT = 256  # bytes: ints longer than this (LONG4 only) are charged by their size
+_VOID_DTYPE: type = type(np.dtype("V1"))  # structured and subarray dtypes, whose hash walks their fields
+_SIZED = frozenset({tuple, frozenset})  # nest: hashing them recurses in C
+_LISTED = frozenset({tuple, frozenset, torch.Size})  # hashing them visits each item
+_COSTLY = frozenset({tuple, frozenset, torch.Size, _VOID_DTYPE})  # hashing these visits more than one entry
+_COSTLY_AND_INT = _COSTLY | {int}  # once a load has made an int of more than _BIG_INT bytes
 _TORCH_DTYPES = frozenset(k for k, v in vars(torch).items() if isinstance(v, torch.dtype))
 _TEXT = (str, bytes, bytearray)
 _CARRIED = (list, tuple, dict, set, frozenset, bytes, bytearray, str, int, float, complex, bool, type(None))
@@ -105,8 +141,14 @@ def _plain_codec(*args: Any, **kwargs: Any) -> str | None:
     return None
 
 
+# Constructors that hash their argument's items (and how many times each): charged before they run.
+_HASHING: dict[Any, int] = {set: 1, frozenset: 1, dict: 1, collections.Counter: 2, collections.OrderedDict: 2}
+
+
 def _checked(ctor: Callable[..., Any], name: str, ok: Callable[[Any], bool], why: str,
              also: Callable[..., str | None] | None, loader: _Loader) -> Callable[..., Any]:
+    hashes = _HASHING.get(ctor, 0)
+
     def build(*args: Any, **kwargs: Any) -> Any:
         for a in (*args, *kwargs.values()):
             if not ok(a):
@@ -116,6 +158,8 @@ def _checked(ctor: Callable[..., Any], name: str, ok: Callable[[Any], bool], why
             if problem:
                 _refuse(f"{name}(): {problem}")
         loader._charge(_CALL_COST + sum(_size_of(a) for a in args) * _PER_ITEM.get(ctor, 1), name)
+        if hashes:
+            loader._hashed(hashes * sum(loader._items_cost(ctor, a) for a in args), f"{name}()")
         made = ctor(*args, **kwargs)
         if isinstance(made, (tuple, frozenset)):
             loader._nested(made, made)
@@ -203,15 +247,11 @@ _NUMPY_NAMES = frozenset({"dtype", "ndarray", "_reconstruct", "scalar", "_frombu
 _ALIGNED_STRUCT = 0x80  # numpy's NPY_ALIGNED_STRUCT flag: the struct was laid out with align=True
 
 
-class _ArrayType:
-    """numpy.ndarray as a safe payload may name it: an argument to _reconstruct, never called itself
-    (ndarray(shape) allocates whatever shape says)."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        _refuse("numpy.ndarray(...): it allocates from a shape alone")
-
-
-_ARRAY_TYPE = _ArrayType()
+_NUMPY_OBJECTS: dict[str, Any] = {"dtype": np.dtype, "ndarray": np.ndarray, "scalar": _NP_CORE.multiarray.scalar,
+                                  "_reconstruct": _NP_CORE.multiarray._reconstruct,
+                                  "_frombuffer": _NP_CORE.numeric._frombuffer}
+_NUMPY_BUILDERS = {"dtype": "_dtype", "ndarray": "_array", "_reconstruct": "_reconstruct", "scalar": "_scalar",
+                   "_frombuffer": "_frombuffer"}  # the loader's methods that stand for them in calls
 
 
 class _DtypeSpec:
@@ -297,11 +337,18 @@ class _Loader(pickle._Unpickler):
         super().__init__(file, buffers=buffers)
         self._file = file
         self._allowed = allowed
-        self._specs: list[_DtypeSpec] = []  # placeholders whose state is still to come
+        self._specs: dict[int, _DtypeSpec] = {}  # placeholders whose state is still to come
         self._fresh: dict[int, np.ndarray[Any, Any]] = {}  # arrays made here whose state is still to come
         self.memo: list[Any] = []  # indices are positions: 8 bytes an entry
-        self._budget = _CALL_BUDGET * file.getbuffer().nbytes + (1 << 20)  # what calls may allocate
-        self._depth: dict[int, tuple[Any, int]] = {}  # tuples and frozensets with tuples or frozensets inside
+        received = file.getbuffer().nbytes
+        self._budget = _CALL_BUDGET * received + (1 << 20)  # what calls may allocate
+        self._hash_budget = _HASH_BUDGET * received + _HASH_FREE  # entries that hashing may visit
+        # Values whose hash visits more than their own entries (tuples and frozensets with tuples or frozensets
+        # inside or sharing parts, structured dtypes, long ints): (the value, how deep it nests tuples and
+        # frozensets, how many entries hashing it visits).
+        self._trees: dict[int, tuple[Any, int, int]] = {}
+        self._costly = _COSTLY  # the types whose cost _trees may know
+        self._calls: dict[int, tuple[Any, Callable[..., Any]]] = {}  # a global by id: (it, what a call of it runs)
         self._dtype_depth: dict[int, tuple[np.dtype[Any], int]] = {}  # structured dtypes with structured fields
 
     def _charge(self, nbytes: int, what: str) -> None:
@@ -309,17 +356,50 @@ class _Loader(pickle._Unpickler):
         if self._budget < 0:
             _refuse(f"{what}(): the payload's calls would allocate more than {_CALL_BUDGET} bytes per byte received")
 
+    def _hashed(self, entries: int, what: str) -> None:
+        """Charge hashing ``entries`` (a key, a set's elements) to the load's budget."""
+        self._hash_budget -= entries
+        if self._hash_budget < 0:
+            _refuse(f"{what}: hashing or comparing the payload's keys, set elements and dtypes would visit more "
+                    f"than {_HASH_BUDGET} entries per byte received (a tuple or dtype that reuses its parts is "
+                    f"walked along every path through them)")
+
+    def _weight(self, value: Any) -> tuple[int, int]:
+        """How deeply ``value`` (of a type in _COSTLY) nests tuples and frozensets, and how many entries
+        hashing or comparing it visits (each part once per reference: hashes of tuples aren't cached)."""
+        seen = self._trees.get(id(value))
+        if seen is not None and seen[0] is value:
+            return seen[1], seen[2]
+        kind = type(value)  # a tuple or frozenset of items of one entry each, a torch.Size, a dtype or int
+        return (1 if kind in _SIZED else 0), (1 + len(value) if kind in _LISTED else 1)
+
+    def _keys_cost(self, keys: Iterable[Any]) -> int:
+        """How many entries hashing ``keys`` visits, counting the keys that take more than one (each of the
+        others costs an opcode of the payload)."""
+        costly = self._costly
+        return sum(self._weight(key)[1] for key in keys if type(key) in costly)
+
+    def _items_cost(self, ctor: Any, arg: Any) -> int:
+        """What hashing constructor ``ctor`` visits hashing the items of ``arg``."""
+        if not isinstance(arg, (list, tuple, set, frozenset, dict)):
+            return 0  # text: of characters or ints
+        if ctor in (dict, collections.OrderedDict) and type(arg) in (list, tuple):  # pairs: (key, value)
+            return sum(self._keys_cost(e) for e in arg if isinstance(e, (list, tuple, set, frozenset, dict))
+                       and len(e) == 2)
+        return self._keys_cost(arg)
+
     def _nested(self, made: Any, items: Iterable[Any]) -> Any:
-        """Record how deeply ``made`` (a tuple or frozenset of ``items``) nests tuples and frozensets."""
-        depth = 1
+        """Record how deeply ``made`` (a tuple or frozenset of ``items``) nests tuples and frozensets, and how
+        many entries hashing or comparing it visits."""
+        depth, extra, costly = 1, 0, self._costly
         for item in items:
-            if type(item) in (tuple, frozenset):
-                seen = self._depth.get(id(item))
-                depth = max(depth, 1 + (seen[1] if seen is not None and seen[0] is item else 1))
+            if type(item) in costly:
+                inner, entries = self._weight(item)
+                depth, extra = max(depth, 1 + inner), extra + entries - 1
         if depth > _MAX_NESTING:
             _refuse(f"tuples or frozensets nested over {_MAX_NESTING} deep (hashing them recurses without a guard)")
-        if depth > 1:
-            self._depth[id(made)] = (made, depth)
+        if depth > 1 or extra:
+            self._trees[id(made)] = (made, depth, 1 + len(made) + extra)
         return made
 
     def load(self) -> Any:
@@ -345,27 +425,55 @@ class _Loader(pickle._Unpickler):
 
     # ------------------------------------------------------------------ globals
     def find_class(self, module: str, name: str) -> Any:
+        """The global itself (a class kept as a value is the real one); what a call of it runs is recorded
+        in _calls: its checked version, or itself for what the user registered."""
         key = (module, name)
         if module in _NUMPY_MODULES and name in _NUMPY_NAMES:
-            return {"dtype": self._dtype, "ndarray": _ARRAY_TYPE, "_reconstruct": self._reconstruct,
-                    "scalar": self._scalar, "_frombuffer": self._frombuffer}[name]
+            found = _NUMPY_OBJECTS[name]
+            if id(found) not in self._calls:
+                self._calls[id(found)] = (found, getattr(self, _NUMPY_BUILDERS[name]))
+            return found
         if key in self._allowed:
-            return super().find_class(module, name)
+            found = super().find_class(module, name)
+            self._calls[id(found)] = (found, found)
+            return found
         if key in _CONSTRUCTORS:
-            ok, why, also = _CONSTRUCTORS[key]
-            return _checked(super().find_class(module, name), f"{module}.{name}", ok, why, also, self)
+            found = super().find_class(module, name)
+            if id(found) not in self._calls:
+                ok, why, also = _CONSTRUCTORS[key]
+                self._calls[id(found)] = (found, _checked(found, f"{module}.{name}", ok, why, also, self))
+            return found
         if key in _TORCH_FUNCTIONS:
+            found = super().find_class(module, name)
             fn = _TORCH_FUNCTIONS[key]
 
             def call(*args: Any) -> Any:
                 self._charge(_CALL_COST + sum(_size_of(a) for a in args), name)
                 return fn(*args)
 
-            return call
+            self._calls[id(found)] = (found, call)
+            return found
         if module == "torch" and name in _TORCH_DTYPES:  # (getattr(torch, name) could import a submodule)
             return vars(torch)[name]
         _refuse(f"to load global {module}.{name}: it is not on the allowlist "
                 f"(register it with SafeSerializer(allow=[...]) if it is trusted)")
+
+    def _call(self, func: Any, args: Sequence[Any]) -> Any:
+        """``func(*args)``, for a global this load named: its checked version runs."""
+        entry = self._calls.get(id(func))
+        if entry is not None and entry[0] is func:
+            return entry[1](*args)
+        if self._registered(func):  # an instance of a registered class, called as pickle would
+            return func(*args)
+        _refuse(f"a call of {_show(func)}: a safe payload calls only the allowlisted globals it names")
+
+    def _registered_global(self, cls: Any, what: str) -> None:
+        entry = self._calls.get(id(cls))
+        if entry is None or entry[0] is not cls or entry[1] is not cls:
+            _refuse(f"{what} of {_show(cls)}: only registered classes are made that way")
+
+    def _array(self, *args: Any, **kwargs: Any) -> Any:
+        _refuse("numpy.ndarray(...): it allocates from a shape alone")
 
     def _dtype(self, spec: Any, align: Any = False, copy: Any = True) -> _DtypeSpec:
         if not isinstance(spec, str) or len(spec) > 32:
@@ -376,13 +484,13 @@ class _Loader(pickle._Unpickler):
             raise UnsafePayloadError(f"SafeSerializer refused numpy.dtype({spec!r}): {e}") from e
         _real_dtype(made, f"numpy.dtype({spec!r})")
         placeholder = _DtypeSpec(spec)
-        self._specs.append(placeholder)
+        self._specs[id(placeholder)] = placeholder
         return placeholder
 
     def _reconstruct(self, subtype: Any, shape: Any, dtype: Any) -> Any:
         # numpy's own pickles call _reconstruct(ndarray, (0,), b'b') and then set the state, whose data the
         # payload carries; any other shape would allocate from the shape alone.
-        if subtype is not _ARRAY_TYPE or shape != (0,) or dtype != b"b":
+        if subtype is not np.ndarray or type(shape) is not tuple or shape != (0,) or dtype != b"b":
             _refuse(f"numpy _reconstruct({_show(subtype)}, {_show(shape)}, {_show(dtype)}): only numpy's own "
                     f"empty-then-filled form is allowed")
         self._charge(_CALL_COST, "numpy _reconstruct")
@@ -426,6 +534,9 @@ class _Loader(pickle._Unpickler):
         if (cls.__module__, cls.__qualname__) not in self._allowed:
             _refuse(f"to set the state of a {cls.__module__}.{cls.__qualname__}: only numpy's and registered "
                     f"classes' states are set")
+        for part in (state if type(state) is tuple and len(state) == 2 else (state,)):
+            if isinstance(part, dict):  # set into the instance's __dict__: its keys are hashed again
+                self._hashed(self._keys_cost(part), "an object's state")
         super().load_build()  # type: ignore[misc]
 
     dispatch[pickle.BUILD[0]] = load_build
@@ -442,11 +553,15 @@ class _Loader(pickle._Unpickler):
             _refuse(f"numpy dtypes nested over {_MAX_DTYPE_NESTING} deep")
         if depth > 1:
             self._dtype_depth[id(made)] = (made, depth)
+        if inner:  # hashing, comparing or printing it walks its fields' dtypes, each once per reference
+            cost = _DTYPE_ENTRY + sum(self._weight(d)[1] for d in inner)
+            self._trees[id(made)] = (made, 0, cost)
+            self._hashed(cost, "a numpy dtype")  # the comparison below, and numpy's checks of it, may walk it
         reduced: Any = made.__reduce__()
         if reduced[1][0] != placeholder.spec or reduced[2] != state:
             _refuse(f"numpy.dtype({placeholder.spec!r}) with state {_show(state)}: not the state numpy gives the "
                     f"dtype it describes (kind, flags, sizes or offsets that don't match)")
-        self._specs.remove(placeholder)
+        del self._specs[id(placeholder)]
         self.stack[-1] = made  # the placeholder is replaced wherever it was kept
         for i in placeholder.memo_at:
             self.memo[i] = made
@@ -499,13 +614,14 @@ class _Loader(pickle._Unpickler):
         args = self.stack.pop()
         if type(args) is not tuple:  # func(*args) would iterate anything (a range, an array)
             _refuse(f"a call whose arguments are a {type(args).__name__}, not a tuple")
-        self.stack[-1] = self.stack[-1](*args)
+        self.stack[-1] = self._call(self.stack[-1], args)
 
     def load_newobj(self) -> None:
         args = self.stack.pop()
         if type(args) is not tuple:
             _refuse(f"NEWOBJ with arguments in a {type(args).__name__}, not a tuple")
         cls = self.stack.pop()
+        self._registered_global(cls, "NEWOBJ")
         self.append(cls.__new__(cls, *args))
 
     def load_newobj_ex(self) -> None:
@@ -513,7 +629,15 @@ class _Loader(pickle._Unpickler):
         if type(args) is not tuple or type(kwargs) is not dict:
             _refuse("NEWOBJ_EX with arguments that aren't a tuple and a dict")
         cls = self.stack.pop()
+        self._registered_global(cls, "NEWOBJ_EX")
         self.append(cls.__new__(cls, *args, **kwargs))
+
+    def _instantiate(self, klass: Any, args: list[Any]) -> None:  # INST and OBJ (protocols 0 and 1)
+        entry = self._calls.get(id(klass))
+        if entry is not None and entry[0] is klass and entry[1] is klass:  # registered: pickle's own way
+            super()._instantiate(klass, args)  # type: ignore[misc]
+        else:
+            self.append(self._call(klass, args))
 
     def _registered(self, obj: Any) -> bool:
         return (type(obj).__module__, type(obj).__qualname__) in self._allowed
@@ -547,18 +671,33 @@ class _Loader(pickle._Unpickler):
     def load_setitem(self) -> None:
         value, key = self.stack.pop(), self.stack.pop()
         self._into(self.stack[-1], (dict,), "items set in")
+        if type(key) in self._costly:
+            self._hashed(self._weight(key)[1], "a dict key")
         self.stack[-1][key] = value
 
     def load_setitems(self) -> None:
         items = self.pop_mark()  # type: ignore[attr-defined]
         target = self.stack[-1]
         self._into(target, (dict,), "items set in")
+        costly = self._costly
         for i in range(0, len(items), 2):
-            target[items[i]] = items[i + 1]
+            key = items[i]
+            if type(key) in costly:
+                self._hash_budget -= self._weight(key)[1]
+                if self._hash_budget < 0:
+                    self._hashed(0, "a dict key")
+            target[key] = items[i + 1]
+
+    def load_dict(self) -> None:  # DICT (protocols 0 and 1)
+        items = self.pop_mark()  # type: ignore[attr-defined]
+        self._hashed(self._keys_cost(items[::2]), "dict keys")
+        self.append({items[i]: items[i + 1] for i in range(0, len(items), 2)})
 
     def load_additems(self) -> None:
         items = self.pop_mark()  # type: ignore[attr-defined]
         self._into(self.stack[-1], (set,), "items added to")
+        if not self._costly.isdisjoint(map(type, items)):
+            self._hashed(self._keys_cost(items), "set elements")
         self.stack[-1].update(items)
 
     def load_tuple(self) -> None:
@@ -576,11 +715,13 @@ class _Loader(pickle._Unpickler):
 
     def load_frozenset(self) -> None:
         items = self.pop_mark()  # type: ignore[attr-defined]
+        self._hashed(self._keys_cost(items), "frozenset elements")  # making it hashes each item
         self.append(self._nested(frozenset(items), items))
 
     for _op, _fn in ((pickle.REDUCE, load_reduce), (pickle.NEWOBJ, load_newobj), (pickle.NEWOBJ_EX, load_newobj_ex),
                      (pickle.APPEND, load_append), (pickle.APPENDS, load_appends), (pickle.SETITEM, load_setitem),
-                     (pickle.SETITEMS, load_setitems), (pickle.ADDITEMS, load_additems), (pickle.TUPLE, load_tuple),
+                     (pickle.SETITEMS, load_setitems), (pickle.DICT, load_dict), (pickle.ADDITEMS, load_additems),
+                     (pickle.TUPLE, load_tuple),
                      (pickle.TUPLE1, load_tuple1), (pickle.TUPLE2, load_tuple2), (pickle.TUPLE3, load_tuple3),
                      (pickle.FROZENSET, load_frozenset)):
         dispatch[_op[0]] = _fn
@@ -596,10 +737,22 @@ class _Loader(pickle._Unpickler):
             raise pickle.UnpicklingError(f"BYTEARRAY8 of {size} bytes, {len(data)} left in the stream")
         self.append(bytearray(data))
 
+    def load_long4(self) -> None:
+        (size,) = struct.unpack("<i", self.read(4))
+        data = self.read(size) if size >= 0 else b""
+        if len(data) != size:
+            raise pickle.UnpicklingError(f"LONG4 of {size} bytes, {len(data)} left in the stream")
+        value = int.from_bytes(data, "little", signed=True)
+        if size > _BIG_INT:  # hashing it reads all of it, each time
+            self._trees[id(value)] = (value, 0, 1 + size // _INT_BYTES)
+            self._costly = _COSTLY_AND_INT
+        self.append(value)
+
     def load_ext(self) -> None:
         _refuse("an extension code: it names an object copyreg cached, outside the allowlist")
 
-    for _op, _fn in ((pickle.FRAME, load_frame), (pickle.BYTEARRAY8, load_bytearray8), (pickle.EXT1, load_ext),
+    for _op, _fn in ((pickle.FRAME, load_frame), (pickle.BYTEARRAY8, load_bytearray8), (pickle.LONG4, load_long4),
+                     (pickle.EXT1, load_ext),
                      (pickle.EXT2, load_ext), (pickle.EXT4, load_ext)):
         dispatch[_op[0]] = _fn
     del _op, _fn

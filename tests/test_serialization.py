@@ -7,6 +7,8 @@ import datetime
 import gc
 import os
 import pickle
+import threading
+import types
 from typing import Any
 
 import numpy as np
@@ -477,9 +479,10 @@ def test_safe_loads_refuse_forged_numpy_dtypes_and_object_arrays() -> None:
 
 
 def test_fuzzed_safe_loads_build_only_allowlisted_types_within_the_allocation_bound() -> None:
-    """20,000 payloads (honest pickles mutated, random opcode sequences): each one raises, or builds
-    allowlisted types only, within 150 bytes per byte received plus 1 MiB. In a child: a miss may be
-    a segfault."""
+    """20,000 payloads (honest pickles mutated, random opcode sequences, tuples and dtypes that reuse
+    their parts): each one raises, or builds allowlisted types only, within 150 bytes per byte received
+    plus 1 MiB and a time budget. In a child: a miss may be a segfault, or a hash that never returns
+    (the fuzzer's watchdog stops it and names the payload)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -516,6 +519,13 @@ def test_a_serialization_error_says_where_the_value_sits_in_the_object() -> None
     with open(os.devnull) as handle, pytest.raises(distcomm.SerializationError,
                                                    match=r"at objs\[2\]\['f'\], a _io.TextIOWrapper"):
         comm.scatter([1, 2, {"f": handle}])
+    lock = threading.Lock()
+    where = {"ns": types.SimpleNamespace(lock=lock), "error": ValueError(lock), "fn": lambda: lock.locked()}
+    for key, at in [("ns", "obj['ns'].lock"), ("error", "obj['error'] (argument 0)"),
+                     ("fn", "obj['fn'] (captured 'lock')")]:
+        with pytest.raises(distcomm.SerializationError) as e:
+            comm.all_gather({key: where[key]})
+        assert f"(at {at}, a _thread.lock)" in str(e.value), str(e.value)
 
 
 class _ZeroCopyBytes(distcomm.Serializer):
