@@ -11,12 +11,12 @@ from typing import Any
 import torch.distributed as dist
 
 from ._communicator import Communicator
-from ._defaults import clear_default, get_default, set_default
+from ._defaults import get_default
 from ._errors import CommunicatorStateError
 from ._local import LocalCommunicator
 from ._torch import GlooCommunicator, NcclCommunicator
 
-__all__ = ["clear_default", "current", "set_default", "use"]
+__all__ = ["active", "current", "use"]
 
 _ACTIVE: contextvars.ContextVar[Communicator | None] = contextvars.ContextVar("distcomm_active", default=None)
 

@@ -64,7 +64,6 @@ MAX_MESSAGE = 1 << 16
 PACKED = 1
 
 _U32 = struct.Struct("<I")
-_I64 = struct.Struct("<q")
 _ONE_SEG = struct.Struct("<Iq")  # the table of one part of one segment
 _ONE_SEG_DATA = HEADER_SIZE + _ONE_SEG.size
 
@@ -164,10 +163,10 @@ def _encode(op: int, seq: int, root: int, digest: int, parts: Sequence[Sequence[
             nsegs += 1
             inline = data + n <= slot_size
             if inline:
-                _I64.pack_into(out, pos, -(n + 1))
+                I64.pack_into(out, pos, -(n + 1))
                 out[data : data + n] = flat(seg)
             else:
-                _I64.pack_into(out, pos, n)
+                I64.pack_into(out, pos, n)
                 later += n
                 later_segs += 1
             if view is not None:
@@ -427,7 +426,7 @@ def pack_into(out: memoryview, segments: Sequence[memoryview]) -> None:
     offsets, _ = _packed_offsets([s.nbytes for s in segments])
     _U32.pack_into(out, 0, len(segments))
     for i, (s, at) in enumerate(zip(segments, offsets, strict=True)):
-        _I64.pack_into(out, 4 + 8 * i, s.nbytes)
+        I64.pack_into(out, 4 + 8 * i, s.nbytes)
         out[at : at + s.nbytes] = flat(s)
 
 
@@ -441,7 +440,7 @@ def unpack(buf: memoryview) -> list[memoryview]:
     head = 4 + 8 * count
     if head > n:
         raise FrameError(f"packed segment claims {count} segments, too many for {n} bytes")
-    sizes = [_I64.unpack_from(mv, 4 + 8 * i)[0] for i in range(count)]
+    sizes = [I64.unpack_from(mv, 4 + 8 * i)[0] for i in range(count)]
     if any(size < 0 or size > n for size in sizes):
         raise FrameError("packed segment size out of range")
     offsets, total = _packed_offsets(sizes)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import math
-import struct
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -16,6 +15,7 @@ import torch
 
 from . import _frame
 from ._errors import FrameError
+from ._frame import I64
 
 if TYPE_CHECKING:
     from ._torch import _TorchCommunicator
@@ -23,7 +23,6 @@ if TYPE_CHECKING:
 __all__ = ["SUMMARY_CARRY", "SUMMARY_CARRY_ACROSS", "HeaderBufs", "binomial_children", "expand", "gather_headers",
            "header_blocks", "summarize", "summary_size", "table_index"]
 
-_I64 = struct.Struct("<q")
 
 SUMMARY_CARRY = 376
 """The bytes of a broadcast's payload from rank 0 that the header exchange's summary carries in a
@@ -81,7 +80,7 @@ def summarize(table: bytes | bytearray | memoryview, world: int, size: int, out:
             rest = lo + 1
             back = rest == world or (alike(rest, world) and data.startswith(rows[:size], rest * size))
             odd = lo if back else -2
-    _I64.pack_into(out, 0, odd + 1 if odd >= -1 else -1)
+    I64.pack_into(out, 0, odd + 1 if odd >= -1 else -1)
     if odd == -2:
         return odd
     out[8 : 8 + size] = rows[common * size : (common + 1) * size]
@@ -93,7 +92,7 @@ def summarize(table: bytes | bytearray | memoryview, world: int, size: int, out:
 def expand(summary: memoryview, world: int, size: int) -> memoryview:
     """The table of ``world`` slots that a summary (``summarize``'s, not -1) stands for: the common
     slot repeated, the odd one in its place. One allocation, filled by repeated memcpy."""
-    odd = _I64.unpack_from(summary, 0)[0] - 1
+    odd = I64.unpack_from(summary, 0)[0] - 1
     if not -1 <= odd < world:
         raise FrameError(f"the header exchange's summary names rank {odd} as the odd one, in a world of {world}")
     table = bytearray(summary[8 : 8 + size]) * world
@@ -220,7 +219,7 @@ def gather_headers(comm: _TorchCommunicator, slot: bytearray, size: int, timeout
     if b.table is not None:  # rank 0
         summarize(b.table, world, size, sview)
     post_calls(comm, b.down, timeout)
-    odd = _I64.unpack_from(sview, 0)[0] - 1
+    odd = I64.unpack_from(sview, 0)[0] - 1
     comm._carry = b.carry if odd == 0 else None
     # what the summary says of the table, for the pipeline's agreement (``_frame.agreed``)
     alike = None if odd == -2 else (odd, bytes(sview[8 : 8 + size]))

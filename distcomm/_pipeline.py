@@ -21,7 +21,7 @@ from ._calls import CallSpec, Op
 from ._errors import CollectiveError, FrameError, SerializationError
 from ._memory import GC_PAUSE_BYTES, NOTHING, GCPause, is_aligned, owned_copy
 from ._routes import ROUTES, Route, Segment, over_max_bytes, status_outgoing
-from ._serialization import _CUDA_TARGET
+from ._tensor_pickle import CUDA_TARGET
 
 if TYPE_CHECKING:
     from ._communicator import Communicator
@@ -136,14 +136,14 @@ def _disagreement(comm: Communicator, spec: CallSpec, seq: int, message: str, ra
 
 def _load_all(comm: Communicator, route: Route, op: Op, seq: int, incoming: dict[int, list[Segment]],
               packed: dict[int, bool], results: list[Any]) -> None:
-    token = _CUDA_TARGET.set(comm._cuda_target)
+    token = CUDA_TARGET.set(comm._cuda_target)
     try:
         received = sum([view.nbytes for v in incoming.values() for view, _ in v])
         with GCPause() if received >= GC_PAUSE_BYTES else NOTHING:
             for src, segs in incoming.items():
                 results[route.lands_at(comm, src)] = load(comm, op, seq, src, segs, packed[src])
     finally:
-        _CUDA_TARGET.reset(token)
+        CUDA_TARGET.reset(token)
 
 
 def load(comm: Communicator, op: Op, seq: int, src: int, segs: list[Segment], packed: bool) -> Any:

@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from ._errors import UnsafePayloadError
+from ._tensor_pickle import rebuild_tensor
 
 _NP_CORE: Any = getattr(np, "_core", None) or np.core  # numpy 2 names it _core
 
@@ -212,8 +213,6 @@ _CONSTRUCTORS: dict[tuple[str, str], tuple[Callable[[Any], bool], str, Callable[
 
 
 def _rebuild_tensor_checked(data: Any, dtype: Any, shape: Any, requires_grad: Any, was_cuda: Any) -> Any:
-    from ._serialization import _rebuild_tensor
-
     if not isinstance(dtype, torch.dtype):
         _refuse(f"a tensor of dtype {_show(dtype)}")
     if not isinstance(data, _BUFFER):
@@ -222,7 +221,7 @@ def _rebuild_tensor_checked(data: Any, dtype: Any, shape: Any, requires_grad: An
         _refuse(f"a tensor of shape {_show(shape)}")
     if not (isinstance(requires_grad, bool) and isinstance(was_cuda, bool)):
         _refuse("a tensor whose flags aren't bools")
-    return _rebuild_tensor(data, dtype, shape, requires_grad, was_cuda)
+    return rebuild_tensor(data, dtype, shape, requires_grad, was_cuda)
 
 
 def _rebuild_parameter_checked(data: Any, requires_grad: Any, backward_hooks: Any) -> Any:
@@ -236,7 +235,7 @@ def _rebuild_parameter_checked(data: Any, requires_grad: Any, backward_hooks: An
 
 
 _TORCH_FUNCTIONS: dict[tuple[str, str], Callable[..., Any]] = {
-    ("distcomm._serialization", "_rebuild_tensor"): _rebuild_tensor_checked,
+    ("distcomm._tensor_pickle", "rebuild_tensor"): _rebuild_tensor_checked,
     ("torch._utils", "_rebuild_parameter"): _rebuild_parameter_checked,
 }
 

@@ -55,9 +55,8 @@ def _td(seconds: float | None) -> datetime.timedelta | None:
     return None if seconds is None else datetime.timedelta(seconds=seconds)
 
 
-_CARRIED = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
-                      torch.int32, torch.int64, torch.bool})
-"""The dtypes gloo's broadcast and all-gather take as they are (see ``_as_carried``)."""
+_CARRIED = Communicator._REDUCIBLE_DTYPES
+"""The dtypes gloo's broadcast and all-gather take as they are: those it reduces (see ``_as_carried``)."""
 
 
 def _as_carried(t: torch.Tensor) -> torch.Tensor:
@@ -137,7 +136,7 @@ class _TorchCommunicator(Communicator):
         self._place = (0, self._rank)  # (this rank's block, its place in it)
         self._block_group: Any = self._obj_group
         self._leader_group: Any = None
-        self._table_index: np.ndarray[Any, Any] | None = None  # see _table_index
+        self._table_index: np.ndarray[Any, Any] | None = None  # see _header_exchange.table_index
         self._header_bufs: dict[int, HeaderBufs] = {}  # per slot size, for this layout (make_header_bufs)
         self._carry: memoryview | None = None  # see _carried
         self._summary_carry = SUMMARY_CARRY_ACROSS  # until set-up knows the machines (every rank alike)
@@ -389,7 +388,7 @@ class _TorchCommunicator(Communicator):
     def _broadcast_in(self, group: Any, members: int, v: int, buf: torch.Tensor, timeout: float | None,
                       root: int = 0) -> None:
         """gloo's broadcast of ``buf`` in ``group`` (of ``members`` ranks, this one ``v`` from the
-        root): one post, a binomial tree in C++, counted as such (``_binomial_children``)."""
+        root): one post, a binomial tree in C++, counted as such (``binomial_children``)."""
         n = buf.numel()
         self._count(binomial_children(members, v) * n, 0 if v == 0 else n)
         self._native(group.broadcast, ([buf], self._opts("BroadcastOptions", timeout, root=root)), timeout)
@@ -435,7 +434,7 @@ class _TorchCommunicator(Communicator):
         self._wait_one(work, timeout)
 
     def _wait_one(self, work: Any, timeout: float | None) -> None:
-        """``_wait([work], timeout)`` for one native collective, with its common case (done within
+        """``wait(self, [work], timeout)`` for one native collective, with its common case (done within
         the first slice) in one timed wait: the tensor collectives' hot path runs few lines."""
         if not self._sliced_waits or (timeout is not None and timeout <= SLICE):
             wait(self, [work], timeout)
@@ -564,7 +563,6 @@ class _TorchCommunicator(Communicator):
     def _sub_kwargs(self, timeout: float | None) -> dict[str, Any]:
         return self._sub_settings(timeout)
 
-    # ------------------------------------------------------------------ failures
     # ------------------------------------------------------------------ construction from the environment
     @classmethod
     def from_env(cls, *, timeout: float | datetime.timedelta | None = None, **kwargs: Any) -> Any:

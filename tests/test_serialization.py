@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import distcomm
-from distcomm._serialization import _CUDA_TARGET, _rebuild_tensor
+from distcomm._tensor_pickle import CUDA_TARGET, rebuild_tensor
 from distcomm.testing import FakeCommunicator, run_threaded, spawn
 
 
@@ -126,13 +126,13 @@ def test_garbage_from_a_peer_is_a_serialization_error() -> None:
 
 def test_tensors_that_were_on_cuda_land_where_the_receiver_says() -> None:
     data = bytearray(torch.arange(4, dtype=torch.float32).numpy().tobytes())
-    assert _rebuild_tensor(data, torch.float32, (4,), False, True).device.type == "cpu"
-    token = _CUDA_TARGET.set(lambda: torch.device("meta"))  # stands in for this rank's CUDA device
+    assert rebuild_tensor(data, torch.float32, (4,), False, True).device.type == "cpu"
+    token = CUDA_TARGET.set(lambda: torch.device("meta"))  # stands in for this rank's CUDA device
     try:
-        assert _rebuild_tensor(data, torch.float32, (4,), False, True).device.type == "meta"
-        assert _rebuild_tensor(data, torch.float32, (4,), False, False).device.type == "cpu"
+        assert rebuild_tensor(data, torch.float32, (4,), False, True).device.type == "meta"
+        assert rebuild_tensor(data, torch.float32, (4,), False, False).device.type == "cpu"
     finally:
-        _CUDA_TARGET.reset(token)
+        CUDA_TARGET.reset(token)
     assert distcomm.LocalCommunicator(receive_cuda_on="cpu")._cuda_target() is None
     with pytest.raises(ValueError, match="receive_cuda_on"):
         distcomm.LocalCommunicator(receive_cuda_on="gpu")  # type: ignore[arg-type]
@@ -334,7 +334,7 @@ import collections, pickle, pickletools
 import numpy as np
 import torch
 import distcomm
-from distcomm._serialization import _rebuild_tensor
+from distcomm._tensor_pickle import rebuild_tensor
 from numpy.core.multiarray import _reconstruct, scalar
 from torch._utils import _rebuild_parameter
 
@@ -366,7 +366,7 @@ def nested_dtype(depth):
         d = np.dtype([("a", d)])
     return d
 
-def in_band(obj):  # as distcomm's own pickler writes it (tensors as _rebuild_tensor), all in the stream
+def in_band(obj):  # as distcomm's own pickler writes it (tensors as rebuild_tensor), all in the stream
     return bytes(distcomm.PickleSerializer(oob_threshold=1 << 40).dumps(obj)[0])
 
 def array_built_twice():
@@ -400,7 +400,7 @@ payloads = {
     "nested deques": pickle.dumps(R(collections.deque, ([R(collections.deque, ([1],), None)],), None), protocol=5),
     "a size from a range": pickle.dumps(R(torch.Size, (range(10**8),), None), protocol=5),
     "str of a structure": pickle.dumps(R(str, ([[1] * 3] * 3,), None), protocol=5),
-    "a tensor's state": in_band(R(_rebuild_tensor, (b"", torch.uint8, (0,), False, False),
+    "a tensor's state": in_band(R(rebuild_tensor, (b"", torch.uint8, (0,), False, False),
                                   (torch.empty(0), 0, (2**30,), (1,)))),
     "a function's state": pickle.dumps(R(torch.Size, ([1],), {"x": 1}), protocol=5),
     "a parameter with hooks": in_band(R(_rebuild_parameter, (torch.ones(1), False,
@@ -432,7 +432,7 @@ payloads.update({
 })
 import sys
 tensor = distcomm.SafeSerializer().loads([memoryview(pickle.dumps(
-    R(_rebuild_tensor, (b"A", torch.uint8, (1,), False, False), None), protocol=5))])
+    R(rebuild_tensor, (b"A", torch.uint8, (1,), False, False), None), protocol=5))])
 tensor.add_(1)
 print("b'A' still reads:", b"A".decode())
 print("torch._inductor imported:", "torch._inductor" in sys.modules)

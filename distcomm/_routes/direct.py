@@ -1,6 +1,7 @@
 """The direct move: each part goes straight from its sender to its receivers, in one all-to-all
 when that costs no copy or only small ones, else point to point. all_gather travels this way, and
-so do gather in small worlds and scatter after its slots."""
+so do gather (in small worlds, and beyond them when its segments are too large for the tree) and
+scatter after its slots."""
 
 from __future__ import annotations
 
