@@ -83,14 +83,39 @@ class CallSpec:
         stat: count this call under that op (an error-path exchange of another collective).
     """
 
-    __slots__ = ("counted_as", "digest", "inline", "obj", "on_digest_mismatch", "op", "problem", "root",
-                 "serialize", "slot_size", "stat", "status", "timeout")
+    # The options' defaults live on the class: the common call (an all_gather, a gather...) sets
+    # only the four fields every call has, a small part of each small collective's Python.
+    serialize = True
+    digest = 0
+    problem: str | None = None
+    status = _frame.INVALID
+    on_digest_mismatch: Callable[[], None] | None = None
+    slot_size: int | None = None
+    inline: bytes | None = None
+    stat: Op | None = None
 
     def __init__(self, op: Op, root: int, obj: Any, timeout: float | None, *, serialize: bool = True,
                  digest: int = 0, problem: str | None = None, status: int = _frame.INVALID,
                  on_digest_mismatch: Callable[[], None] | None = None, slot_size: int | None = None,
                  inline: bytes | None = None, stat: Op | None = None) -> None:
         self.op, self.root, self.obj, self.timeout = op, root, obj, timeout
-        self.serialize, self.digest, self.problem, self.status = serialize, digest, problem, status
-        self.on_digest_mismatch, self.slot_size, self.inline, self.stat = on_digest_mismatch, slot_size, inline, stat
-        self.counted_as = op if stat is None else stat  # the op whose counters this call adds to
+        if not serialize:  # (only what differs from the class's defaults is set)
+            self.serialize = False
+        if digest:
+            self.digest = digest
+        if problem is not None:
+            self.problem, self.status = problem, status
+        if on_digest_mismatch is not None:
+            self.on_digest_mismatch = on_digest_mismatch
+        if slot_size is not None:
+            self.slot_size = slot_size
+        if inline is not None:
+            self.inline = inline
+        if stat is not None:
+            self.stat = stat
+
+    @property
+    def counted_as(self) -> Op:
+        """The op whose counters this call adds to."""
+        return self.op if self.stat is None else self.stat
+

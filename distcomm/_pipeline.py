@@ -19,7 +19,7 @@ from . import _frame
 from ._agreement import agree
 from ._calls import CallSpec, Op
 from ._errors import CollectiveError, FrameError, SerializationError
-from ._memory import GC_PAUSE_BYTES, NOTHING, GCPause, is_aligned, owned_copy
+from ._memory import GC_PAUSE_BYTES, GCPause, is_aligned, owned_copy
 from ._routes import ROUTES, Route, Segment, over_max_bytes, status_outgoing
 from ._tensor_pickle import CUDA_TARGET
 
@@ -138,12 +138,19 @@ def _load_all(comm: Communicator, route: Route, op: Op, seq: int, incoming: dict
               packed: dict[int, bool], results: list[Any]) -> None:
     token = CUDA_TARGET.set(comm._cuda_target)
     try:
-        received = sum([view.nbytes for v in incoming.values() for view, _ in v])
-        with GCPause() if received >= GC_PAUSE_BYTES else NOTHING:
-            for src, segs in incoming.items():
-                results[route.lands_at(comm, src)] = load(comm, op, seq, src, segs, packed[src])
+        if sum([view.nbytes for v in incoming.values() for view, _ in v]) >= GC_PAUSE_BYTES:
+            with GCPause():
+                _load_each(comm, route, op, seq, incoming, packed, results)
+        else:  # (small results: no pause, and no context manager's two calls)
+            _load_each(comm, route, op, seq, incoming, packed, results)
     finally:
         CUDA_TARGET.reset(token)
+
+
+def _load_each(comm: Communicator, route: Route, op: Op, seq: int, incoming: dict[int, list[Segment]],
+               packed: dict[int, bool], results: list[Any]) -> None:
+    for src, segs in incoming.items():
+        results[route.lands_at(comm, src)] = load(comm, op, seq, src, segs, packed[src])
 
 
 def load(comm: Communicator, op: Op, seq: int, src: int, segs: list[Segment], packed: bool) -> Any:
