@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from tests._scripts import run_script
 
 # Rank 1 raises before its first collective; a thread of its own (a data loader's, say) holds its
 # exit, so that rank 0, which lost it in all_gather, is the first process to end.
@@ -37,13 +35,7 @@ SCRIPT = textwrap.dedent("""
 @pytest.mark.timeout(240)
 def test_the_headline_names_the_rank_that_failed_first(tmp_path: Path) -> None:
     script = tmp_path / "job.py"
-    script.write_text(SCRIPT)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=180)
-    results = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    assert results, (out.stdout + out.stderr)[-3000:]
-    got = json.loads(results[0][len("RESULT "):])
+    got = run_script(script, SCRIPT, timeout=180)
     headline = got["message"].splitlines()[0]
     assert headline.startswith("rank 1 raised ValueError: shard 7 is empty"), got["message"]
     raise_line = next(i for i, line in enumerate(SCRIPT.splitlines(), 1) if "raise ValueError" in line)

@@ -4,13 +4,12 @@ show ``File "train.py", line 5`` with the line, call sites read ``train.py:7`` (
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from tests._scripts import run_script
 
 SCRIPT = textwrap.dedent("""
     import json
@@ -49,13 +48,7 @@ def _line(marker: str) -> int:
 @pytest.mark.timeout(240)
 def test_remote_tracebacks_and_call_sites_name_the_script(tmp_path: Path) -> None:
     script = tmp_path / "script.py"
-    script.write_text(SCRIPT)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=200)
-    results = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    assert results, (out.stdout + out.stderr)[-3000:]
-    got = json.loads(results[0][len("RESULT "):])
+    got = run_script(script, SCRIPT, timeout=200)
 
     raised = got["raised"]
     assert f'File "{script}", line {_line("FAILS HERE")}, in fails_on_rank_1' in raised["traceback"], raised

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from .._communicator import Communicator
 
 __all__ = ["Incoming", "Outgoing", "Route", "Segment", "build_slot", "check_receivable", "over_max_bytes",
-           "status_outgoing"]
+           "root_is_the_odd_slot", "status_outgoing"]
 
 Segment = tuple[memoryview, bool]
 """A segment this rank received: its bytes, and whether they came inline in a slot (the transport's
@@ -67,6 +67,17 @@ def status_outgoing(spec: CallSpec, seq: int, status: int, message: str, size: i
     """The slot of a rank that can't take part: its status and message, nothing else."""
     slot = _frame.encode_status(status, spec.op, seq, spec.root, message, size)
     return Outgoing(slot, _frame.decode(slot), [], [], status, message)
+
+
+def root_is_the_odd_slot(comm: Communicator, spec: CallSpec, seq: int, out: Outgoing,
+                         size: int) -> tuple[bytes | bytearray | None, int]:
+    """``expected_slot`` of the routes where only the root sends something (broadcast, scatter):
+    every other rank sends a bare header, which is this rank's slot unless it is the root."""
+    if out.status != _frame.OK:
+        return None, -1
+    if comm.rank != spec.root:
+        return out.slot, spec.root
+    return _frame.encode(spec.op, seq, spec.root, spec.digest, [], size), spec.root
 
 
 def check_receivable(comm: Communicator, size: int, src: int, label: str) -> None:

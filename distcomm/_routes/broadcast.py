@@ -13,7 +13,7 @@ from .._calls import CallSpec
 from .._errors import FrameError
 from .._memory import as_view, byte_tensor
 from .._serialization import failure_text
-from .base import Incoming, Outgoing, Route, Segment, check_receivable
+from .base import Incoming, Outgoing, Route, Segment, check_receivable, root_is_the_odd_slot
 
 if TYPE_CHECKING:
     from .._communicator import Communicator
@@ -44,11 +44,7 @@ class BroadcastRoute(Route):
 
     def expected_slot(self, comm: Communicator, spec: CallSpec, seq: int, out: Outgoing,
                       size: int) -> tuple[bytes | bytearray | None, int]:
-        if out.status != _frame.OK:
-            return None, -1
-        if comm.rank != spec.root:
-            return out.slot, spec.root
-        return _frame.encode(spec.op, seq, spec.root, spec.digest, [], size), spec.root
+        return root_is_the_odd_slot(comm, spec, seq, out, size)
 
     def move(self, comm: Communicator, spec: CallSpec, seq: int, out: Outgoing, slots: _frame.Slots,
              size: int) -> Incoming:

@@ -10,7 +10,7 @@ from .. import _frame
 from .._calls import CallSpec, Op
 from .._errors import FrameError
 from .._serialization import failure_text
-from .base import Incoming, Outgoing, build_slot, over_max_bytes, status_outgoing
+from .base import Incoming, Outgoing, build_slot, over_max_bytes, root_is_the_odd_slot, status_outgoing
 from .direct import DirectRoute, move_direct
 
 if TYPE_CHECKING:
@@ -57,11 +57,7 @@ class ScatterRoute(DirectRoute):
 
     def expected_slot(self, comm: Communicator, spec: CallSpec, seq: int, out: Outgoing,
                       size: int) -> tuple[bytes | bytearray | None, int]:
-        if out.status != _frame.OK:
-            return None, -1
-        if comm.rank != spec.root:
-            return out.slot, spec.root
-        return _frame.encode(spec.op, seq, spec.root, spec.digest, [], size), spec.root
+        return root_is_the_odd_slot(comm, spec, seq, out, size)
 
     def move(self, comm: Communicator, spec: CallSpec, seq: int, out: Outgoing, slots: _frame.Slots,
              size: int) -> Incoming:
