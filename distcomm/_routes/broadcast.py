@@ -12,7 +12,6 @@ from .. import _frame
 from .._calls import CallSpec
 from .._errors import FrameError
 from .._memory import as_view, byte_tensor
-from .._serialization import failure_text
 from .base import Incoming, Outgoing, Route, Segment, check_receivable, root_is_the_odd_slot
 
 if TYPE_CHECKING:
@@ -29,12 +28,9 @@ class BroadcastRoute(Route):
     expects_common = True
 
     def serialize(self, comm: Communicator, root: int, obj: Any, rank: int) -> tuple[list[list[memoryview]], int, str]:
-        if rank != root:
+        if rank != root:  # only the root's object travels
             return [], _frame.OK, ""
-        try:
-            return [comm.serializer.dumps(obj)], _frame.OK, ""
-        except Exception as e:  # reported on every rank
-            return [], _frame.SERIALIZE_FAILED, failure_text(comm.serializer, obj, e)
+        return super().serialize(comm, root, obj, rank)
 
     def carried(self, comm: Communicator, root: int, out: Outgoing) -> list[memoryview]:
         # the transport's exchange may end in a broadcast from the root that has room for them
