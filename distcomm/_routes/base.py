@@ -133,8 +133,9 @@ class Route(abc.ABC):
 
     def expected_slot(self, comm: Communicator, spec: CallSpec, seq: int, out: Outgoing,
                       size: int) -> tuple[bytes | bytearray | None, int]:
-        """(c, k): when all is well every rank but k (-1: none) sends c; (None, -1): unknown."""
-        return None, -1
+        """(c, k): when all is well every rank but k (-1: none) sends c; (None, -1): unknown. Called
+        where ``expects_common``; this default is that of the routes where only the root sends."""
+        return root_is_the_odd_slot(comm, spec, seq, out, size)
 
     @abc.abstractmethod
     def move(self, comm: Communicator, spec: CallSpec, seq: int, out: Outgoing, slots: _frame.Slots,

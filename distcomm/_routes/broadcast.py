@@ -12,7 +12,7 @@ from .. import _frame
 from .._calls import CallSpec
 from .._errors import FrameError
 from .._memory import as_view, byte_tensor
-from .base import Incoming, Outgoing, Route, Segment, check_receivable, root_is_the_odd_slot
+from .base import Incoming, Outgoing, Route, Segment, check_receivable
 
 if TYPE_CHECKING:
     from .._communicator import Communicator
@@ -37,10 +37,6 @@ class BroadcastRoute(Route):
         if comm.rank != root or out.status != _frame.OK or not out.mine.later:
             return []
         return [seg for seg, (_, inline) in zip(out.parts[0], out.tables[0], strict=True) if inline is None]
-
-    def expected_slot(self, comm: Communicator, spec: CallSpec, seq: int, out: Outgoing,
-                      size: int) -> tuple[bytes | bytearray | None, int]:
-        return root_is_the_odd_slot(comm, spec, seq, out, size)
 
     def move(self, comm: Communicator, spec: CallSpec, seq: int, out: Outgoing, slots: _frame.Slots,
              size: int) -> Incoming:

@@ -10,7 +10,7 @@ from .. import _frame
 from .._calls import CallSpec, Op
 from .._errors import FrameError
 from .._serialization import failure_text
-from .base import Incoming, Outgoing, build_slot, over_max_bytes, root_is_the_odd_slot, status_outgoing
+from .base import Incoming, Outgoing, build_slot, over_max_bytes, status_outgoing
 from .direct import DirectRoute, move_direct
 
 if TYPE_CHECKING:
@@ -54,10 +54,6 @@ class ScatterRoute(DirectRoute):
     def own_slots(self, comm: Communicator, root: int, out: Outgoing) -> list[bytearray]:
         # in small worlds the root sends each rank the slot of its part in the first exchange
         return out.subs if out.status == _frame.OK and comm.world_size <= _frame.SMALL_WORLD else []
-
-    def expected_slot(self, comm: Communicator, spec: CallSpec, seq: int, out: Outgoing,
-                      size: int) -> tuple[bytes | bytearray | None, int]:
-        return root_is_the_odd_slot(comm, spec, seq, out, size)
 
     def move(self, comm: Communicator, spec: CallSpec, seq: int, out: Outgoing, slots: _frame.Slots,
              size: int) -> Incoming:
