@@ -719,6 +719,12 @@ class Communicator(abc.ABC):
         """Reduce ``tensor`` in place onto ``dst`` (None: every rank); "mean" sums."""
         reduce_by_gathering(self, tensor, dst, op, timeout)
 
+    def _reduce_traffic(self, tensor: torch.Tensor, dst: int | None) -> tuple[int, int]:
+        """The bytes (sent, received) that ``_tensor_reduce`` of ``tensor`` moves on this rank, for
+        the stats: by default a ring's, 2 (world - 1) / world of the values each way."""
+        moved = 2 * (self.world_size - 1) * tensor.numel() * tensor.element_size() // self.world_size
+        return moved, moved
+
     def _tensor_broadcast(self, tensor: torch.Tensor, src: int, timeout: float | None) -> None:
         broadcast_by_gathering(self, tensor, src, timeout)
 

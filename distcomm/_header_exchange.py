@@ -102,6 +102,10 @@ def expand(summary: memoryview, world: int, size: int) -> memoryview:
 
 
 MACHINE_BLOCK_MAX = 64
+FLAT_WORLD = 32
+"""Worlds of machines of one rank each, of up to this many ranks, exchange headers in one block: a
+gather on rank 0 and gloo's binomial broadcast, two native calls and 1 + log2(world) hops, against
+four calls and as many hops in two levels (rank 0 takes one 64-byte slot from each rank)."""
 
 
 def header_blocks(world: int, machines: list[list[int]]) -> list[list[int]]:
@@ -113,7 +117,7 @@ def header_blocks(world: int, machines: list[list[int]]) -> list[list[int]]:
     ceil(sqrt(world - 1)) consecutive ranks: no rank handles more than about 2 sqrt(world)
     messages, and rank 0, which every table reaches, takes only the runs' tables (one message per
     run, not a run of its own as well)."""
-    if world <= _frame.SMALL_WORLD:
+    if world <= _frame.SMALL_WORLD or (world <= FLAT_WORLD and max(len(m) for m in machines) == 1):
         return [list(range(world))]
     if min(len(m) for m in machines) >= 2 and max(len(m) for m in machines) <= MACHINE_BLOCK_MAX \
             and machines[0][0] == 0:

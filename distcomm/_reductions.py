@@ -128,6 +128,8 @@ def reduce_dict(comm: Communicator, input_dict: Mapping[Any, Any], op: str, dst:
         dt = input_dict[k].dtype
         n = math.prod(shape)
         v = work[at : at + n].reshape(shape)
+        if v.is_complex() and not dt.is_complex:  # a real value of a dict that holds complex ones
+            v = v.real
         at += n
         # each value comes back in its dtype, but averages of integers: the default float dtype
         keep = op != "mean" or dt.is_floating_point or dt.is_complex
@@ -145,9 +147,7 @@ def _reduced_values(comm: Communicator, call: Op, values: list[torch.Tensor], wo
     work = work.to(comm.device) if work.device != comm.device else work
     st = comm._stat(call)
     t0 = time.perf_counter()
-    # what a ring reduction moves per rank: 2 (world - 1) / world of the values, each way
-    moved = 2 * (comm.world_size - 1) * work.numel() * work.element_size() // comm.world_size
-    comm._count(moved, moved)
+    comm._count(*comm._reduce_traffic(work, dst))
     if op in ("sum", "mean"):
         comm._reduce_tensor(work, dst, timeout)
     else:

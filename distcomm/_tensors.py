@@ -161,10 +161,11 @@ def _move(comm: Communicator, op: Op, root: int, tensor: torch.Tensor, x: torch.
         comm._tensor_broadcast(work, root, t)
     else:
         assert reduce_op is not None
-        moved = 2 * (world - 1) * nbytes // world
-        st.bytes_sent += moved
-        st.bytes_received += moved
-        comm._tensor_reduce(work, None if op is Op.ALL_REDUCE else root, reduce_op, t)
+        dst = None if op is Op.ALL_REDUCE else root
+        sent, received = comm._reduce_traffic(work, dst)
+        st.bytes_sent += sent
+        st.bytes_received += received
+        comm._tensor_reduce(work, dst, reduce_op, t)
         if reduce_op == "mean" and receiver:
             work.div_(world)
     if receiver and work is not tensor:

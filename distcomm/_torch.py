@@ -22,6 +22,7 @@ from ._defaults import clear_default, set_default
 from ._errors import (
     CommunicatorStateError,
 )
+from ._gathered_reduce import gathered_reduce, gathered_traffic, takes_gathered
 from ._header_exchange import (
     SUMMARY_CARRY,
     SUMMARY_CARRY_ACROSS,
@@ -600,6 +601,17 @@ class GlooCommunicator(_TorchCommunicator):
     Construction is collective: every rank of the group must create its communicator, in the
     same order; it creates one group per machine, eagerly.
     """
+
+    def _tensor_reduce(self, tensor: torch.Tensor, dst: int | None, op: str, timeout: float | None) -> None:
+        if takes_gathered(self, tensor):
+            gathered_reduce(self, tensor, dst, op, timeout)
+        else:
+            super()._tensor_reduce(tensor, dst, op, timeout)
+
+    def _reduce_traffic(self, tensor: torch.Tensor, dst: int | None) -> tuple[int, int]:
+        if not takes_gathered(self, tensor):
+            return super()._reduce_traffic(tensor, dst)
+        return gathered_traffic(self, tensor, dst)
 
     def _check_backend(self, backend: str) -> None:
         if "gloo" not in str(backend):

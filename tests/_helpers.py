@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import distcomm
 from distcomm import _frame
 from distcomm._header_exchange import SUMMARY_CARRY, summary_size
@@ -55,3 +58,18 @@ def _header_bytes(r: int, n: int, blocks: list[list[int]] | None, table: bool = 
 
 
 _ONE_KIB_OOB = distcomm.PickleSerializer(oob_threshold=1024)
+
+
+@contextlib.contextmanager
+def two_levels_from_five_ranks() -> Iterator[None]:
+    """Communicators made meanwhile on hosts of one rank exchange headers in two levels from 5
+    ranks, as they do beyond ``FLAT_WORLD`` (a world of 33 or more), so that small test worlds
+    exercise the two-level groups."""
+    from distcomm import _header_exchange
+
+    flat = _header_exchange.FLAT_WORLD
+    _header_exchange.FLAT_WORLD = _frame.SMALL_WORLD
+    try:
+        yield
+    finally:
+        _header_exchange.FLAT_WORLD = flat

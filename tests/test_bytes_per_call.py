@@ -36,7 +36,12 @@ def _check_bytes(r: int, n: int, got: dict[str, tuple[int, int]], blocks: list[l
     overhead = 8 * 1024  # the pickle streams of the arrays, small tables
     assert got["barrier"] == (hs, hr)
     sent, received = got["reduce_dict"]
-    assert sent <= ts + 2 * 8 * 8 and received <= tr + 2 * 8 * 8
+    values = 8 * 8
+    if blocks is None:  # the doubles count a ring's share
+        ring = 2 * (n - 1) * values // n
+        assert (sent, received) == (hs + ring, hr + ring)
+    else:  # beyond 4 ranks, gathered on the root
+        assert (sent, received) == ((hs, hr + (n - 1) * values) if r == 0 else (hs + values, hr))
     # gather: only the root receives the arrays; nobody else receives anything but the headers
     sent, received = got["gather"]
     if r == 0:

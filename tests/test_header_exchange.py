@@ -65,16 +65,18 @@ def test_rank_0_takes_the_tables_of_machines_of_8_in_place() -> None:
 @pytest.mark.parametrize(("world", "machines", "blocks"), [
     (4, [[0, 1, 2, 3]], [[0, 1, 2, 3]]),  # small worlds: one block (set-up; the slots go all to all)
     (16, [list(range(16))], [list(range(16))]),  # one machine: one block
-    # hosts of one rank: rank 0 alone, the others in runs of ceil(sqrt(world - 1))
-    (16, [[r] for r in range(16)], [[0], [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15]]),
-    (10, [[r] for r in range(10)], [[0], [1, 2, 3], [4, 5, 6], [7, 8, 9]]),
-    (5, [[r] for r in range(5)], [[0], [1, 2], [3, 4]]),
+    # hosts of one rank, up to FLAT_WORLD: one block (a gather on rank 0, a broadcast)
+    (16, [[r] for r in range(16)], [list(range(16))]),
+    (32, [[r] for r in range(32)], [list(range(32))]),
+    (5, [[r] for r in range(5)], [[0, 1, 2, 3, 4]]),
+    # beyond: rank 0 alone, the others in runs of ceil(sqrt(world - 1))
+    (33, [[r] for r in range(33)], [[0]] + [list(range(i, min(i + 6, 33))) for i in range(1, 33, 6)]),
     (24, [list(range(0, 24, 2)), list(range(1, 24, 2))], [list(range(0, 24, 2)), list(range(1, 24, 2))]),
     (12, [[0, 1, 2, 3, 4], [5], [6, 7, 8, 9, 10, 11]], [[0], [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11]]),
     (130, [list(range(65)), list(range(65, 130))],
      [[0]] + [list(range(i, min(i + 12, 130))) for i in range(1, 130, 12)]),
 ])
-def test_header_blocks_follow_the_machines_else_sqrt_runs(world: int, machines: list[list[int]],
+def test_header_blocks_follow_the_machines_else_one_block_then_sqrt_runs(world: int, machines: list[list[int]],
                                                           blocks: list[list[int]]) -> None:
     from distcomm._header_exchange import header_blocks
 

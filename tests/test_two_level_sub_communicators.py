@@ -9,6 +9,7 @@ import pytest
 
 import distcomm
 from distcomm.testing import spawn
+from tests._helpers import two_levels_from_five_ranks
 
 
 def _groups_in_two_levels(comm: distcomm.Communicator) -> list[Any]:
@@ -20,7 +21,7 @@ def _groups_in_two_levels(comm: distcomm.Communicator) -> list[Any]:
     out: list[Any] = []
     for machine in (comm.rank, comm.rank // 4):
         before = len(c10d._world.pg_names)
-        with distcomm.GlooCommunicator(machine=machine, timeout=30) as c:
+        with two_levels_from_five_ranks(), distcomm.GlooCommunicator(machine=machine, timeout=30) as c:
             grew = len(c10d._world.pg_names) - before
             with c.split(c.rank % 2) as sub:  # its groups are named by torch from each member's count
                 out.append((c._blocks, grew, sub.all_gather(c.rank)))  # type: ignore[attr-defined]
@@ -41,7 +42,7 @@ def _sub_communicators_again_and_again(comm: distcomm.Communicator) -> list[Any]
     """Sub-communicators with header blocks of their own (hosts of one rank), made and closed again
     and again: each time the same ranks, so the same group names in torch's store."""
     r, out = comm.rank, []
-    with distcomm.GlooCommunicator(machine=r, timeout=30) as c:
+    with two_levels_from_five_ranks(), distcomm.GlooCommunicator(machine=r, timeout=30) as c:
         for _ in range(3):
             with c.split(0) as sub:
                 out.append(sub.all_gather(r))

@@ -1,0 +1,72 @@
+"""Small reductions over gloo as a gather on the root and a broadcast: the per-step reductions
+(``reduce_dict``'s losses, a tensor ``all_reduce`` of a few hundred values).
+
+gloo reduces in a ring: 2 (world - 1) messages in sequence per rank, whatever the size, where
+for a few values each message's latency is the whole cost. A gather on the root (one message from
+each rank), a fold there in rank order and gloo's binomial broadcast take 1 + log2(world) steps and
+about as many bytes per rank (each rank sends its values once and receives the result once),
+the root taking one message per rank. Kept to worlds where the header exchange is one gather too
+(``FLAT_WORLD``) and to values whose gather the root takes at once (``GATHERED_REDUCE_BYTES``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from . import _frame
+from ._header_exchange import FLAT_WORLD, binomial_children
+
+if TYPE_CHECKING:
+    from ._torch import _TorchCommunicator
+
+__all__ = ["GATHERED_REDUCE_BYTES", "gathered_reduce", "gathered_traffic", "takes_gathered"]
+
+GATHERED_REDUCE_BYTES = 8 << 10
+"""Reductions of up to this many bytes per rank (a thousand float64 values) go through the root."""
+
+
+def takes_gathered(comm: _TorchCommunicator, tensor: torch.Tensor) -> bool:
+    """Whether ``gathered_reduce`` reduces ``tensor`` in this world."""
+    return (_frame.SMALL_WORLD < comm._world <= FLAT_WORLD and tensor.is_cpu and tensor.is_contiguous()
+            and tensor.numel() * tensor.element_size() <= GATHERED_REDUCE_BYTES)
+
+
+def gathered_reduce(comm: _TorchCommunicator, tensor: torch.Tensor, dst: int | None, op: str,
+                    timeout: float | None) -> None:
+    """Reduce ``tensor`` in place onto ``dst`` (None: onto every rank) with ``op`` ("sum", "mean" as
+    a sum, "max", "min", "prod"): the root folds every rank's values in rank order."""
+    world, me = comm._world, comm._rank
+    root = 0 if dst is None else dst
+    flat = tensor.view(-1)
+    raw = flat.view(torch.uint8)  # as bytes: gloo's gather and broadcast take no complex or bool
+    rows = torch.empty((world, raw.numel()), dtype=torch.uint8) if me == root else None
+    outs = [list(rows.unbind(0))] if rows is not None else []
+    comm._native(comm._group.gather, (outs, [raw], comm._opts("GatherOptions", timeout, root=root)), timeout)
+    if rows is not None:
+        flat.copy_(_fold(rows.view(flat.dtype), op))
+    if dst is None:
+        comm._native(comm._group.broadcast, ([raw], comm._opts("BroadcastOptions", timeout, root=root)), timeout)
+
+
+def gathered_traffic(comm: _TorchCommunicator, tensor: torch.Tensor, dst: int | None) -> tuple[int, int]:
+    """The bytes (sent, received) ``gathered_reduce`` moves on this rank: the gather's, then
+    the broadcast's binomial tree's."""
+    world, me = comm._world, comm._rank
+    root = 0 if dst is None else dst
+    n = tensor.numel() * tensor.element_size()
+    sent, received = (0, (world - 1) * n) if me == root else (n, 0)
+    if dst is None:
+        v = (me - root) % world
+        sent += binomial_children(world, v) * n
+        received += 0 if v == 0 else n
+    return sent, received
+
+
+def _fold(rows: torch.Tensor, op: str) -> torch.Tensor:
+    if op in ("sum", "mean"):
+        return rows.sum(0, dtype=rows.dtype)
+    if op == "prod":
+        return rows.prod(0, dtype=rows.dtype)
+    return rows.amax(0) if op == "max" else rows.amin(0)
