@@ -45,6 +45,8 @@ import distcomm
 HERE = Path(__file__).resolve().parent
 PAYLOADS = ["dict of 8 floats", "2,000 small dicts", "32 MiB array", "32 MiB tensor", "skewed 32 MiB", "8 MiB array"]
 MiB = 1 << 20
+INTERLEAVED = "gather, then all_gather"
+"""Two different collectives back to back, timed as one: a row where one call's leftovers show."""
 
 
 # ---------------------------------------------------------------- payloads
@@ -118,6 +120,9 @@ def make_impls(comm: distcomm.Communicator, op: str, obj: Any) -> dict[str, Call
     world, rank = comm.world_size, comm.rank
     if op in ("broadcast", "scatter"):
         return root_impls(comm, op, obj)
+    if op == INTERLEAVED:  # what one call leaves behind (the collector's deferred work) lands on the next
+        first, second = make_impls(comm, "gather", obj), make_impls(comm, "all_gather", obj)
+        return {k: (lambda a=first[k], b=second[k]: (a(), b())) for k in first}
     raw, biggest = floor_sizes(obj)
     if raw.numel() < biggest:
         raw = torch.cat((raw, torch.zeros(biggest - raw.numel(), dtype=torch.uint8)))
@@ -244,7 +249,7 @@ def time_worker(rank: int, world: int, port: int, cases: list[tuple[str, str, in
                 times[key].append((time.perf_counter() - t0) / batch)
         comm.reset_stats()  # what one call moves, as distcomm's counters see it (payload bytes, no framing)
         impls["distcomm"]()
-        label = "broadcast" if op == "broadcast" else op
+        label = "all_gather" if op == INTERLEAVED else op
         st = comm.stats[label]
         moved = (st.bytes_sent, st.bytes_received)
         everyone: list[Any] = [None] * world
@@ -352,7 +357,8 @@ def main() -> None:
 
     def cases_at(world: int) -> list[tuple[str, str, int]]:
         return [(n, op, 32 * MiB) for n in names for op in ops
-                if n in rooted or (world <= 4 and op in ("all_gather", "gather"))]
+                if n in rooted or (world <= 4 and op in ("all_gather", "gather"))] + \
+            [(n, INTERLEAVED, 32 * MiB) for n in names if n == "2,000 small dicts" and world <= 4 and not args.op]
 
     # a rough guess from runs on 2 cores: seconds per case times the ranks sharing them
     guess = sum(len(cases_at(w)) * (4 if args.quick else 12) * max(w / 2, 1) for w in worlds)

@@ -99,6 +99,22 @@ class GCPause:
             cls._depth -= 1
             if cls._depth == 0 and gc.get_threshold()[0] == 0:  # thresholds the user set meanwhile stay
                 gc.set_threshold(*cls._threshold)
+                _age_young_objects()
+
+
+def _age_young_objects() -> None:
+    """Move the young generation, which holds what was just loaded, to the oldest, in O(1).
+
+    Left young, the loaded objects (tens of thousands of dicts and lists for detection results)
+    start a collection at the next allocation that walks every one of them, finds nothing to
+    free, and lands on whatever runs next: this collective's return, or the user's next call.
+    They are the call's results, long-lived like the rest of the heap: the full collections that
+    walk the heap anyway will look at them. ``gc.freeze()`` then ``gc.unfreeze()`` splice the
+    generations' lists into the oldest one without walking them; skipped when the process froze
+    objects of its own (unfreeze would release them)."""
+    if gc.isenabled() and gc.get_freeze_count() == 0:
+        gc.freeze()
+        gc.unfreeze()
 
 
 GC_PAUSE_BYTES = 16 * 1024
