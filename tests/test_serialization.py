@@ -252,9 +252,9 @@ def _young_after_a_large_load(comm: distcomm.Communicator) -> tuple[int, int, in
 def test_a_large_load_leaves_no_collection_for_the_next_call() -> None:
     """What a large load allocated is aged at once (no walk): the next call doesn't pay a collection
     of the previous call's results (measured: 6-13 ms of a 40 ms all_gather of detection results)."""
-    for young, collections, _ in spawn(_young_after_a_large_load, 2, timeout=120):
+    for young, collected, _ in spawn(_young_after_a_large_load, 2, timeout=120):
         assert young < 700, young  # under the first threshold: no collection due
-        assert collections == 0, collections
+        assert collected == 0, collected
 
 
 class _Reduces:
