@@ -24,18 +24,23 @@ from ._api import (
     create_local_process_group,
     exscan,
     gather,
+    gather_in_order,
     get_local_process_group,
     get_local_rank,
     get_local_size,
     get_rank,
     get_world_size,
+    irecv,
     is_main_process,
+    isend,
+    recv,
     reduce,
     reduce_dict,
     reduce_object,
     reduce_scatter_tensor,
     scan,
     scatter,
+    send,
     shared_random_seed,
     synchronize,
 )
@@ -55,6 +60,7 @@ from ._errors import (
     SerializationError,
     UnsafePayloadError,
 )
+from ._handles import Handle
 from ._launch import free_port, launch
 from ._local import LocalCommunicator
 from ._serialization import PickleSerializer, SafeSerializer, Serializer
@@ -64,7 +70,7 @@ __version__ = "0.1.0"
 
 # Public classes report the package, not the private module they live in: reprs, tracebacks and
 # pickles don't change when the code moves between private modules.
-for _cls in (Communicator, LocalCommunicator, GlooCommunicator, NcclCommunicator, OpStats, Serializer,
+for _cls in (Communicator, Handle, LocalCommunicator, GlooCommunicator, NcclCommunicator, OpStats, Serializer,
              PickleSerializer, SafeSerializer, DistCommError, CollectiveError, CollectiveMismatchError,
              CollectiveTimeoutError, CommunicatorStateError, FrameError, PayloadTooLargeError, PeerError,
              RankFailedError, SerializationError, UnsafePayloadError):
@@ -89,6 +95,7 @@ __all__ = [
     "DistCommError",
     "FrameError",
     "GlooCommunicator",
+    "Handle",
     "LocalCommunicator",
     "NcclCommunicator",
     "OpStats",
@@ -114,19 +121,24 @@ __all__ = [
     "exscan",
     "free_port",
     "gather",
+    "gather_in_order",
     "get_local_process_group",
     "get_local_rank",
     "get_local_size",
     "get_rank",
     "get_world_size",
+    "irecv",
     "is_main_process",
+    "isend",
     "launch",
+    "recv",
     "reduce",
     "reduce_dict",
     "reduce_object",
     "reduce_scatter_tensor",
     "scan",
     "scatter",
+    "send",
     "shared_random_seed",
     "synchronize",
     "use",

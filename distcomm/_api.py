@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ._communicator import Communicator
 from ._context import active, current
+from ._handles import Handle
 from ._torch import GlooCommunicator, NcclCommunicator
 
 __all__ = [
@@ -28,12 +29,16 @@ __all__ = [
     "broadcast_tensor",
     "create_local_process_group",
     "gather",
+    "gather_in_order",
     "get_local_process_group",
     "get_local_rank",
     "get_local_size",
     "get_rank",
     "get_world_size",
+    "irecv",
     "is_main_process",
+    "isend",
+    "recv",
     "reduce",
     "reduce_dict",
     "reduce_object",
@@ -41,6 +46,7 @@ __all__ = [
     "scan",
     "exscan",
     "scatter",
+    "send",
     "shared_random_seed",
     "synchronize",
 ]
@@ -129,6 +135,12 @@ def _for_group(group: Any) -> Communicator:
 def all_gather(data: Any, group: Any = None) -> list[Any]:
     """Gather ``data`` from every rank on every rank (see Communicator.all_gather)."""
     return _for_group(group).all_gather(data)
+
+
+def gather_in_order(results: Sequence[Any], size: int | None = None, sharding: str = "contiguous", dst: int = 0,
+                    group: Any = None) -> list[Any] | None:
+    """Every rank's results on ``dst`` in dataset order; None elsewhere (see Communicator.gather_in_order)."""
+    return _for_group(group).gather_in_order(results, size=size, sharding=sharding, dst=dst)  # type: ignore[arg-type]
 
 
 def gather(data: Any, dst: int = 0, group: Any = None) -> list[Any]:
@@ -227,3 +239,24 @@ def exscan(obj: Any, op: str | Callable[[Any, Any], Any], group: Any = None) -> 
 def all_to_all(objs: Sequence[Any], group: Any = None) -> list[Any]:
     """Send ``objs[d]`` to rank d; returns what each rank sent this one, by source."""
     return _for_group(group).all_to_all(objs)
+
+
+# Point-to-point objects: see the Communicator methods of the same names (not collective).
+def send(obj: Any, dst: int, group: Any = None, *, tag: int = 0) -> None:
+    """Send ``obj`` to rank ``dst``; it receives it with ``recv(src, tag=tag)``."""
+    _for_group(group).send(obj, dst, tag=tag)
+
+
+def recv(src: int, group: Any = None, *, tag: int = 0) -> Any:
+    """The next object rank ``src`` sends this rank with ``tag``."""
+    return _for_group(group).recv(src, tag=tag)
+
+
+def isend(obj: Any, dst: int, group: Any = None, *, tag: int = 0) -> Handle[None]:
+    """``send`` without waiting: a Handle."""
+    return _for_group(group).isend(obj, dst, tag=tag)
+
+
+def irecv(src: int, group: Any = None, *, tag: int = 0) -> Handle[Any]:
+    """``recv`` without waiting: a Handle whose ``wait()`` returns the object."""
+    return _for_group(group).irecv(src, tag=tag)

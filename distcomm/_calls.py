@@ -42,6 +42,7 @@ class Op(IntEnum):
     SPLIT = 23
     SHARED_RANDOM_SEED = 24
     CREATE_LOCAL_GROUPS = 25
+    GATHER_IN_ORDER = 26  # every rank's count of results (then a gather)
 
     @property
     def label(self) -> str:

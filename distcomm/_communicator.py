@@ -24,7 +24,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, ParamSpec, TypeVar, cast
 
 import numpy as np
 import torch
@@ -34,9 +34,12 @@ from ._agreement import where
 from ._all_to_all import all_to_all, all_to_all_problem
 from ._calls import CallSpec, Op, OpStats
 from ._errors import CollectiveError, CommunicatorStateError
-from ._groups import regroup_machines, split, sub_settings
+from ._groups import dup, regroup_machines, split, sub_settings
+from ._handles import Handle, Queues, start_collective
 from ._memory import seconds
+from ._messages import irecv, isend
 from ._ops import object_op, tensor_op
+from ._ordering import gather_in_order
 from ._pipeline import run
 from ._reductions import dict_op, reduce_dict, reduce_objects
 from ._routes.broadcast import tree_send
@@ -48,6 +51,7 @@ from ._tensors import (
     reduce_scatter_by_gathering,
     run_tensor_op,
 )
+from ._tracing import profiling, traced
 
 __all__ = ["COLLECTIVES", "DEFAULT_TIMEOUT", "Communicator"]
 
@@ -57,6 +61,8 @@ DEFAULT_TIMEOUT = 600.0
 DEFAULT_SLOT_BYTES = 4096
 
 _T = TypeVar("_T", bound="Communicator")
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 
 def _fixed(name: str) -> property:
@@ -180,6 +186,7 @@ class Communicator(abc.ABC):
         self._site: tuple[str, int] = ("", 0)
         self._done: tuple[str, int, tuple[str, int]] | None = None
         self._raised: tuple[str, int | None, tuple[str, int], str] | None = None  # the last call, if it raised
+        self._queues = Queues()  # non-blocking calls: the collectives' worker, point-to-point lanes (_handles)
 
     # ------------------------------------------------------------------ identity
     @property
@@ -270,6 +277,8 @@ class Communicator(abc.ABC):
         """Release what this communicator created. Idempotent. Not collective by itself."""
         if self._closed:
             return
+        if os.getpid() == self._pid:
+            self._queues.refuse_close(type(self).__name__)
         self._closed = True
         if os.getpid() == self._pid:
             for child in self._children.values():
@@ -282,6 +291,15 @@ class Communicator(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def start(self, call: Callable[_P, _R], /, *args: _P.args, **kwargs: _P.kwargs) -> Handle[_R]:
+        """``call(*args, async_op=True, **kwargs)``, typed: ``comm.start(comm.gather, obj)`` is a
+        ``Handle[list[Any]]`` (type checkers can't add ``async_op`` to every signature's return
+        type). ``call`` is one of this communicator's collectives."""
+        name = getattr(call, "__name__", "")
+        if getattr(call, "__self__", None) is not self or name not in COLLECTIVES:
+            raise TypeError(f"start() takes a collective of this communicator (comm.gather, ...), got {call!r}")
+        return cast("Handle[_R]", cast(Any, call)(*args, async_op=True, **kwargs))
 
     def _check_usable(self) -> None:
         if os.getpid() != self._pid:
@@ -435,6 +453,26 @@ class Communicator(abc.ABC):
                 return objs[0]
         return self._run(CallSpec(Op.SCATTER, src, objs, t, problem=problem))[self.rank]
 
+    def gather_in_order(self, results: Sequence[Any], *, size: int | None = None,
+                        sharding: Literal["contiguous", "interleaved"] = "contiguous", dst: int = 0,
+                        timeout: float | datetime.timedelta | None = None) -> list[Any] | None:
+        """Every rank's ``results`` (its shard of a dataset, in its shard's order) on ``dst`` as one
+        list in dataset order; None on the other ranks. The evaluation step after sharded inference.
+
+        ``sharding``: how the ranks' indices were drawn: "contiguous" (rank r one block of
+        consecutive indices, the blocks in rank order: detectron2's InferenceSampler) or
+        "interleaved" (rank r: r, r + world_size, ...: torch's DistributedSampler and mmengine's
+        DefaultSampler without shuffling). ``size``: the dataset's length; where given, the result
+        has exactly ``size`` entries, and the padding DistributedSampler adds with drop_last=False
+        (its first indices again, on the last ranks) is dropped. Results that are None keep their
+        place. Every rank must call it; counts of results that ``sharding`` of ``size`` can't give,
+        an unknown sharding or ranks that pass different ones raise the same error on every rank,
+        before the results move.
+        """
+        self._check_usable()
+        self._check_root("dst", dst)
+        return gather_in_order(self, results, size, sharding, int(dst), self._op_timeout(timeout))
+
     def shared_random_seed(self, *, timeout: float | datetime.timedelta | None = None) -> int:
         """An int in [0, 2**31) that is the same on every rank (drawn by rank 0 from numpy's RNG)."""
         self._check_usable()
@@ -458,6 +496,30 @@ class Communicator(abc.ABC):
                 raise self._world_of_one_error(Op.ALL_TO_ALL, problem)
             return [objs[0]]
         return all_to_all(self, objs, problem, t)
+
+    # ------------------------------------------------------------------ point-to-point objects
+    # Not collective: only the two ranks take part. Messages between a pair are matched by tag and
+    # arrive in the order they were sent (see _messages). A timeout or a lost peer breaks the
+    # communicator (the pair's connection is gone).
+    def send(self, obj: Any, dst: int, *, tag: int = 0, timeout: float | datetime.timedelta | None = None) -> None:
+        """Send ``obj`` to rank ``dst``, which receives it with ``recv(src, tag=tag)``; returns once
+        ``dst`` has taken it. ``tag``: an int in [0, 2**30). Large buffers travel out of band."""
+        isend(self, obj, dst, tag, timeout, _user_site()).wait()
+
+    def recv(self, src: int, *, tag: int = 0, timeout: float | datetime.timedelta | None = None) -> Any:
+        """The next object rank ``src`` sends this rank with ``tag``. Refuses a message over
+        ``max_bytes`` before allocating it."""
+        return irecv(self, src, tag, timeout, _user_site()).wait()
+
+    def isend(self, obj: Any, dst: int, *, tag: int = 0,
+              timeout: float | datetime.timedelta | None = None) -> Handle[None]:
+        """``send`` without waiting: a Handle (``obj`` is read when the message goes: keep it as it is
+        until ``wait()`` returns)."""
+        return isend(self, obj, dst, tag, timeout, _user_site())
+
+    def irecv(self, src: int, *, tag: int = 0, timeout: float | datetime.timedelta | None = None) -> Handle[Any]:
+        """``recv`` without waiting: a Handle whose ``wait()`` returns the object."""
+        return irecv(self, src, tag, timeout, _user_site())
 
     # ------------------------------------------------------------------ dict and object reductions
     def reduce_dict(
@@ -576,10 +638,12 @@ class Communicator(abc.ABC):
         """A communicator over the ranks that pass the same ``color`` (an int >= 0); None for None.
 
         Collective: every rank calls it. The new ranks are ordered by ``key`` (default: this
-        rank), which must order them as their ranks here do: torch orders a process group's ranks
-        by global rank, so every communicator keeps that order. The new communicator is of this
-        communicator's class and settings, over a group created now; this communicator owns it and
-        closes it (closing it earlier is fine).
+        rank), then by rank here, as MPI's split orders them, whatever the keys' order: the new
+        communicator's ``rank`` and every collective's rank numbering (results, roots, scatter's
+        parts, tensor rows) follow it. (Its torch ``group`` orders the same processes by global
+        rank, as torch does: where the keys don't, ``dist.get_rank(sub.group)`` is not
+        ``sub.rank``.) The new communicator is of this communicator's class and settings, over a
+        group created now; this communicator owns it and closes it (closing it earlier is fine).
         """
         if color is not None and (isinstance(color, bool) or not isinstance(color, int) or color < 0):
             raise ValueError(f"color must be an int >= 0 or None, got {color!r}")
@@ -587,6 +651,18 @@ class Communicator(abc.ABC):
             raise TypeError(f"key must be an int or None, got {type(key).__name__}")
         self._check_usable()
         return split(self, color, self.rank if key is None else key, None, self._op_timeout(timeout))
+
+    def dup(self, *, timeout: float | datetime.timedelta | None = None) -> Communicator:
+        """A communicator over the same ranks, numbered the same, whose collectives never meet this
+        one's (MPI's Comm_dup): process groups of its own, for a library or a background thread
+        (a metrics writer beside the training loop) to run collectives of its own, concurrently
+        with this communicator's.
+
+        Collective: every rank calls it. Of this communicator's class and settings; this
+        communicator owns it and closes it (closing it earlier is fine).
+        """
+        self._check_usable()
+        return dup(self, self._op_timeout(timeout))
 
     def new_group(self, ranks: Sequence[int], *,
                   timeout: float | datetime.timedelta | None = None) -> Communicator | None:
@@ -697,6 +773,14 @@ class Communicator(abc.ABC):
     def _shutdown(self) -> None:  # noqa: B027 - optional hook
         """Release transport resources (groups this communicator created)."""
 
+    def _send_message(self, dst: int, tag: int, parts: list[torch.Tensor], timeout: float | None) -> None:
+        """Send ``parts`` to ``dst`` on ``tag``, in order (point-to-point objects, ``_messages``)."""
+        raise NotImplementedError(f"{type(self).__name__} has no point-to-point messages")
+
+    def _recv_message(self, src: int, tag: int, bufs: list[torch.Tensor], timeout: float | None) -> None:
+        """Receive the next parts ``src`` sends on ``tag`` into ``bufs`` (each of its part's exact size)."""
+        raise NotImplementedError(f"{type(self).__name__} has no point-to-point messages")
+
     # The tensor transport. These defaults move every rank's tensor to every rank through
     # ``_gather_tensors`` (the test doubles' way); torch communicators run the native collectives.
     def _device_problem(self, tensor: torch.Tensor) -> str | None:
@@ -765,19 +849,34 @@ def _group_members(ranks: Sequence[int], world: int) -> list[int]:
 COLLECTIVES = ("synchronize", "all_gather", "gather", "broadcast", "scatter", "shared_random_seed", "reduce_dict",
                "all_reduce_dict", "all_reduce", "reduce", "broadcast_tensor", "all_gather_tensor",
                "reduce_scatter_tensor", "reduce_object", "all_reduce_object", "scan", "exscan", "all_to_all",
-               "split", "new_group", "create_local_groups")
+               "split", "new_group", "create_local_groups", "dup", "gather_in_order")
 """The public collectives: each holds the communicator while it runs (see ``_exclusive``)."""
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
+def _user_site() -> tuple[str, int]:
+    """The user's call site: the first frame outside distcomm."""
+    f: Any = sys._getframe(1)
+    while f is not None and f.f_code.co_filename.startswith(_PACKAGE_DIR):
+        f = f.f_back
+    return ("?", 0) if f is None else (f.f_code.co_filename, f.f_lineno)
+
+
 def _exclusive(method: Callable[..., Any]) -> Callable[..., Any]:
     """Refuse a second collective on a communicator while one runs: from another thread (the two
     would interleave their messages), or from the same thread (an object's ``__setstate__`` calling
-    a collective while a result loads)."""
+    a collective while a result loads).
+
+    Also the one place ``async_op=True`` is taken: the call is queued on the communicator's worker
+    and a ``Handle`` returned (``_handles``); the worker runs it through this same wrapper. A
+    blocking call made while calls are queued waits for them first."""
 
     @functools.wraps(method)
-    def run(self: Communicator, *args: Any, **kwargs: Any) -> Any:
+    def run(self: Communicator, *args: Any, async_op: bool = False, **kwargs: Any) -> Any:
+        if async_op is not False:
+            return start_collective(self, method.__name__, args, kwargs, async_op, _user_site())
+        queued_at = self._queues.turn()  # on the worker: where the user started the call
         if not self._busy.acquire(False):
             name = type(self).__name__
             if self._busy_thread == threading.get_ident():
@@ -787,20 +886,20 @@ def _exclusive(method: Callable[..., Any]) -> Callable[..., Any]:
                     f"that collective returns")
             why = (f"{method.__name__} was called on a {name} from two threads at once; a communicator serves one "
                    f"thread at a time (their messages would interleave): give each thread its own communicator "
-                   f"(comm.split or comm.new_group), or hold a lock around the calls")
+                   f"(comm.dup(), comm.split or comm.new_group), or hold a lock around the calls")
             # Each rank may refuse a different thread, and the threads left would then pair up wrongly:
             # from now on this rank fails every collective, and its peers learn it in that call's exchange.
             self._misused = self._misused or f"rank {self.rank} was used from two threads at once ({method.__name__})"
             raise CommunicatorStateError(why)
         self._busy_thread = threading.get_ident()
-        # the user's call site, for other ranks' error messages: the first frame outside distcomm
-        f: Any = sys._getframe(1)
-        while f is not None and f.f_code.co_filename.startswith(_PACKAGE_DIR):
-            f = f.f_back
-        self._site = ("?", 0) if f is None else (f.f_code.co_filename, f.f_lineno)
+        # the user's call site, for other ranks' error messages
+        self._site = queued_at or _user_site()
         entry = self._seq
         try:
-            out = method(self, *args, **kwargs)
+            if profiling():  # a span in torch.profiler's trace
+                out = traced(self, method.__name__, lambda: method(self, *args, **kwargs))
+            else:
+                out = method(self, *args, **kwargs)
             self._done, self._raised = (self._op_label, self._seq, self._site), None
             return out
         except BaseException as e:

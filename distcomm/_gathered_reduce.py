@@ -43,11 +43,12 @@ def gathered_reduce(comm: _TorchCommunicator, tensor: torch.Tensor, dst: int | N
     raw = flat.view(torch.uint8)  # as bytes: gloo's gather and broadcast take no complex or bool
     rows = torch.empty((world, raw.numel()), dtype=torch.uint8) if me == root else None
     outs = [list(rows.unbind(0))] if rows is not None else []
-    comm._native(comm._group.gather, (outs, [raw], comm._opts("GatherOptions", timeout, root=root)), timeout)
+    at = comm._at(root)  # the root as the group numbers it (a split's keys may order the ranks otherwise)
+    comm._native(comm._group.gather, (outs, [raw], comm._opts("GatherOptions", timeout, root=at)), timeout)
     if rows is not None:
         flat.copy_(_fold(rows.view(flat.dtype), op))
     if dst is None:
-        comm._native(comm._group.broadcast, ([raw], comm._opts("BroadcastOptions", timeout, root=root)), timeout)
+        comm._native(comm._group.broadcast, ([raw], comm._opts("BroadcastOptions", timeout, root=at)), timeout)
 
 
 def gathered_traffic(comm: _TorchCommunicator, tensor: torch.Tensor, dst: int | None) -> tuple[int, int]:

@@ -8,28 +8,29 @@ from typing import TYPE_CHECKING, Any
 
 from ._agreement import odd_ones
 from ._calls import CallSpec, Op
-from ._errors import CollectiveError, CollectiveMismatchError
+from ._errors import CollectiveMismatchError
 
 if TYPE_CHECKING:
     from ._communicator import Communicator
 
-__all__ = ["regroup_machines", "split", "sub_settings"]
+__all__ = ["dup", "regroup_machines", "split", "sub_settings"]
 
 
 def split(comm: Communicator, color: int | None, key: int, members: tuple[int, ...] | None,
-          timeout: float | None) -> Communicator | None:
-    """This rank's communicator of the ranks with its ``color`` (None: none), ordered by ``key``;
-    ``members``: new_group's ranks, which every rank must pass alike."""
+          timeout: float | None, label: str | None = None) -> Communicator | None:
+    """This rank's communicator of the ranks with its ``color`` (None: none), ordered by ``key``
+    (then by rank); ``members``: new_group's (and dup's) ranks, which every rank must pass alike.
+    ``label``: the public call, for errors (default: split, or new_group where ``members`` is given)."""
     asked = (color, key, members)
     alone = comm._returns_at_once()
     infos = [asked] if alone else comm._run(CallSpec(Op.SPLIT, -1, asked, timeout))
-    label = "new_group" if members is not None else "split"
+    label = label or ("new_group" if members is not None else "split")
     if len({repr(a) for _, _, a in infos}) > 1:
         rows = "\n".join(f"  rank {r}: {list(a) if a is not None else 'split'}"
                          for r, (_, _, a) in enumerate(infos))
         raise CollectiveMismatchError(f"{label}: the ranks asked for different groups:\n{rows}", op=label,
                                       ranks=odd_ones([a for _, _, a in infos]))
-    ordered = _groups_by_color(infos, label)
+    ordered = _groups_by_color(infos)
     mine = next((m for m in ordered if comm.rank in m), None)
     sub = comm._make_sub(ordered, mine, timeout)  # set up within the call's timeout
     if sub is not None:
@@ -41,20 +42,23 @@ def split(comm: Communicator, color: int | None, key: int, members: tuple[int, .
     return sub
 
 
-def _groups_by_color(infos: list[Any], label: str) -> list[list[int]]:
-    """Each color's ranks, colors in order; refuses keys that don't order a color's ranks by rank."""
+def dup(comm: Communicator, timeout: float | None) -> Communicator:
+    """A communicator over ``comm``'s ranks, numbered alike, over groups of its own (MPI's
+    Comm_dup): new_group over every rank, every rank its own key."""
+    sub = split(comm, 0, comm.rank, tuple(range(comm.world_size)), timeout, "dup")
+    assert sub is not None  # every rank is a member
+    return sub
+
+
+def _groups_by_color(infos: list[Any]) -> list[list[int]]:
+    """Each color's ranks, colors in order, each color's ranks by key, then by rank (MPI's order):
+    the new communicators' rank order (a torch transport maps it onto its group's, see
+    ``_torch._TorchCommunicator``)."""
     groups: dict[int, list[int]] = {}
     for r, (c, _, _) in enumerate(infos):
         if c is not None:
             groups.setdefault(c, []).append(r)
-    for c, members in groups.items():
-        keys = [infos[r][1] for r in members]
-        if keys != sorted(keys):
-            raise CollectiveError(
-                f"{label}: the keys of color {c} order its ranks {sorted(members, key=lambda r: infos[r][1])}, "
-                f"not by rank; a torch process group orders its ranks by global rank, so the keys must too",
-                op=label, ranks=members)
-    return [groups[c] for c in sorted(groups)]
+    return [sorted(groups[c], key=lambda r: (infos[r][1], r)) for c in sorted(groups)]
 
 
 def sub_settings(comm: Communicator, timeout: float | None) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from ._header_exchange import (
     table_index,
 )
 from ._memory import seconds as _seconds
+from ._messages import torch_recv, torch_send
 from ._serialization import Serializer
 from ._waits import SLICE, fail, interrupted, process_id, timedelta_of, wait
 
@@ -100,6 +101,7 @@ class _TorchCommunicator(Communicator):
         receive_cuda_on: Literal["device", "cpu"] = "device",
         machine: str | int | None = None,
         _owns_default: bool = False,
+        _order: Sequence[int] | None = None,
     ) -> None:
         super().__init__(timeout=timeout, serializer=serializer, max_bytes=max_bytes, slot_bytes=slot_bytes,
                          receive_cuda_on=receive_cuda_on)
@@ -115,9 +117,20 @@ class _TorchCommunicator(Communicator):
         rank = dist.get_rank(self._group)
         if rank < 0:
             raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the given group")
-        self._rank = rank
-        self._world = dist.get_world_size(self._group)
-        self._ranks = list(dist.get_process_group_ranks(self._group))
+        # This communicator's ranks are numbered its own way (split's keys), its group's by global
+        # rank: _ranks (each rank's global rank), _rank, machines, blocks and error reports go by
+        # its own numbering, and _to_group maps it onto the group's (None: they are the same)
+        # where a rank or a rank-ordered list is handed to torch (see _at).
+        group_ranks = list(dist.get_process_group_ranks(self._group))
+        self._ranks = group_ranks if _order is None else list(_order)
+        place = {g: i for i, g in enumerate(group_ranks)}
+        if sorted(self._ranks) != sorted(group_ranks):
+            raise ValueError(f"_order {self._ranks} is not an order of the group's ranks {group_ranks}")
+        to_group = [place[g] for g in self._ranks]
+        self._to_group: list[int] | None = None if to_group == list(range(len(to_group))) else to_group
+        self._from_group: list[int] = sorted(range(len(to_group)), key=to_group.__getitem__)  # its inverse
+        self._rank = self._from_group[rank]
+        self._world = len(group_ranks)
         self._check_backend(dist.get_backend(self._group))
         self._opts_cache: tuple[float | None, Any] | None = None
         self._opts_made: dict[tuple[str, float | None, str | None, int | None], Any] = {}
@@ -313,6 +326,8 @@ class _TorchCommunicator(Communicator):
                         carry: Sequence[memoryview] = (), own: Sequence[bytearray] = ()) -> tuple[memoryview, Any]:
         self._carry = None
         if self._world > _frame.SMALL_WORLD:
+            if self._to_group is not None:  # the header exchange lays slots out in its groups' order: Bruck's
+                return Communicator._exchange_slots(self, slot, size, timeout, carry, own)
             return gather_headers(self, slot, size, timeout, carry)
         return super()._exchange_slots(slot, size, timeout, carry, own)
 
@@ -330,12 +345,13 @@ class _TorchCommunicator(Communicator):
             return super()._scatter_slots(root, subs, size, timeout)
         me = self._rank
         buf = torch.empty(size, dtype=torch.uint8)
-        ins = [[torch.frombuffer(s, dtype=torch.uint8) for s in subs]] if me == root else []
+        ins = [[torch.frombuffer(subs[r], dtype=torch.uint8) for r in self._from_group]] if me == root else []
         if me == root:
             self._count((self._world - 1) * size, 0)
         else:
             self._count(0, size)
-        self._native(self._obj_group.scatter, ([buf], ins, self._opts("ScatterOptions", timeout, root=root)), timeout)
+        opts = self._opts("ScatterOptions", timeout, root=self._at(root))
+        self._native(self._obj_group.scatter, ([buf], ins, opts), timeout)
         return None if me == root else buf
 
     def _allgather_small(self, slot: bytearray, size: int, timeout: float | None,
@@ -351,23 +367,26 @@ class _TorchCommunicator(Communicator):
             send, out = torch.empty(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8)
             bufs = self._slot_bufs = (send, memoryview(send.numpy()), out, memoryview(out.numpy()))  # type: ignore[arg-type]
         send, send_view, out, out_view = bufs
-        me = self._rank
-        for r in range(self._world):  # a scatter's root: each rank's own slot (its part)
-            send_view[r * size : (r + 1) * size] = own[r] if own and r != me else slot
+        me, at = self._rank, self._to_group
+        for r in range(self._world):  # a scatter's root: each rank's own slot (its part), in the group's order
+            p = r if at is None else at[r]
+            send_view[p * size : (p + 1) * size] = own[r] if own and r != me else slot
         try:
             work = self._obj_group.alltoall_base(out, send, [], [], self._alltoall_opts(timeout))
         except Exception as e:
             fail(self, e, timeout)
         wait(self, [work], timeout)
+        if at is not None:  # from the group's order into this communicator's (a copy of the small slots)
+            return memoryview(out.view(self._world, size)[at].reshape(-1).numpy())  # type: ignore[arg-type]
         return out_view
 
     def _exchange(
         self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]], timeout: float | None
     ) -> None:
-        g = self._obj_group
+        g, at = self._obj_group, self._to_group
         try:
-            works = [g.recv([t], src, 0) for src, t in recvs]
-            works += [g.send([t], dst, 0) for dst, t in sends]
+            works = [g.recv([t], src if at is None else at[src], 0) for src, t in recvs]
+            works += [g.send([t], dst if at is None else at[dst], 0) for dst, t in sends]
         except Exception as e:
             fail(self, e, timeout)
         wait(self, works, timeout, [src for src, _ in recvs] + [dst for dst, _ in sends],
@@ -377,6 +396,9 @@ class _TorchCommunicator(Communicator):
         self, send: torch.Tensor, send_counts: list[int], recv: torch.Tensor, recv_counts: list[int],
         timeout: float | None,
     ) -> None:
+        if self._to_group is not None:  # the chunks are in this communicator's order, not the group's
+            Communicator._alltoallv(self, send, send_counts, recv, recv_counts, timeout)  # point to point
+            return
         try:
             work = self._obj_group.alltoall_base(recv, send, recv_counts, send_counts, self._alltoall_opts(timeout))
         except Exception as e:
@@ -384,7 +406,8 @@ class _TorchCommunicator(Communicator):
         wait(self, [work], timeout)
 
     def _broadcast_buffer(self, buf: torch.Tensor, root: int, timeout: float | None) -> None:
-        self._broadcast_in(self._obj_group, self._world, (self._rank - root) % self._world, buf, timeout, root)
+        at = self._at(root)
+        self._broadcast_in(self._obj_group, self._world, (self._at(self._rank) - at) % self._world, buf, timeout, at)
 
     def _broadcast_in(self, group: Any, members: int, v: int, buf: torch.Tensor, timeout: float | None,
                       root: int = 0) -> None:
@@ -396,6 +419,16 @@ class _TorchCommunicator(Communicator):
 
     def _reduce_tensor(self, tensor: torch.Tensor, dst: int | None, timeout: float | None) -> None:
         self._tensor_reduce(tensor, dst, "sum", timeout)
+
+    def _send_message(self, dst: int, tag: int, parts: list[torch.Tensor], timeout: float | None) -> None:
+        torch_send(self, dst, tag, parts, timeout)
+
+    def _recv_message(self, src: int, tag: int, bufs: list[torch.Tensor], timeout: float | None) -> None:
+        torch_recv(self, src, tag, bufs, timeout)
+
+    def _at(self, r: int) -> int:
+        """This communicator's rank ``r`` as its group numbers it (what torch's calls take)."""
+        return r if self._to_group is None else self._to_group[r]
 
     # ------------------------------------------------------------------ tensor transport: the native collectives
     _REDUCE_OPS: ClassVar[dict[str, str]] = {"sum": "SUM", "mean": "SUM", "min": "MIN", "max": "MAX", "prod": "PRODUCT"}
@@ -467,7 +500,7 @@ class _TorchCommunicator(Communicator):
                 or not tensor.is_contiguous()
                 or tensor.is_complex() or tensor.is_neg() or tensor.device != self._fast_path_device
                 or self._world == 1 or self._closed or self._broken is not None or self._misused is not None
-                or os.getpid() != self._pid):
+                or os.getpid() != self._pid or (self._to_group is not None and op is Op.ALL_GATHER_TENSOR)):
             return None
         if reduce_op == "mean" and not tensor.is_floating_point():  # (min and max refuse only complex: above)
             return None
@@ -500,7 +533,8 @@ class _TorchCommunicator(Communicator):
                 st.bytes_sent += nbytes
             else:
                 st.bytes_received += nbytes
-            self._native(self._group.broadcast, ([tensor], self._opts("BroadcastOptions", t, root=root)), t)
+            at = root if self._to_group is None else self._to_group[root]
+            self._native(self._group.broadcast, ([tensor], self._opts("BroadcastOptions", t, root=at)), t)
             out = tensor
         st.transfer_s += time.perf_counter() - t0
         return out
@@ -512,30 +546,31 @@ class _TorchCommunicator(Communicator):
         if dst is None:
             self._native(g.allreduce, ([tensor], self._opts("AllreduceOptions", timeout, op)), timeout)
         else:
-            self._native(g.reduce, ([tensor], self._opts("ReduceOptions", timeout, op, dst)), timeout)
+            self._native(g.reduce, ([tensor], self._opts("ReduceOptions", timeout, op, self._at(dst))), timeout)
 
     def _tensor_broadcast(self, tensor: torch.Tensor, src: int, timeout: float | None) -> None:
-        opts = self._opts("BroadcastOptions", timeout, root=src)
+        opts = self._opts("BroadcastOptions", timeout, root=self._at(src))
         self._native(self._group.broadcast, ([_as_carried(tensor)], opts), timeout)
 
     def _tensor_all_gather(self, out: torch.Tensor, tensor: torch.Tensor, rows: list[int],
                            timeout: float | None) -> None:
         out, tensor = _as_carried(out), _as_carried(tensor)
         g, opts = self._group, self._opts("AllgatherOptions", timeout)
-        if rows.count(rows[0]) == len(rows):
+        even = rows.count(rows[0]) == len(rows)
+        if even and self._to_group is None:
             self._native(g._allgather_base, (out, tensor, opts), timeout)
             return
         pieces = list(torch.split(out, rows))
-        if self._uneven_allgather:
-            self._native(g.allgather, ([pieces], [tensor], opts), timeout)
+        if even or self._uneven_allgather:  # each group rank's rows into this communicator's place for them
+            self._native(g.allgather, ([[pieces[r] for r in self._from_group]], [tensor], opts), timeout)
             return
         # gloo's all-gather wants equal sizes: each rank's rows go straight to every peer instead
-        me = self._rank
+        me, at = self._rank, self._at
         pieces[me].copy_(tensor)
         peers = [r for r in range(self._world) if r != me]
         try:
-            works = [g.recv([pieces[r]], r, 1) for r in peers if rows[r]]
-            works += [g.send([tensor], r, 1) for r in peers] if rows[me] else []
+            works = [g.recv([pieces[r]], at(r), 1) for r in peers if rows[r]]
+            works += [g.send([tensor], at(r), 1) for r in peers] if rows[me] else []
         except Exception as e:
             fail(self, e, timeout)
         wait(self, works, timeout, [r for r in peers if rows[r]] + (peers if rows[me] else []),
@@ -545,6 +580,10 @@ class _TorchCommunicator(Communicator):
 
     def _tensor_reduce_scatter(self, out: torch.Tensor, tensor: torch.Tensor, op: str, timeout: float | None) -> None:
         opts = self._opts("ReduceScatterOptions", timeout, op)
+        if self._to_group is not None:  # the group's rank p gets the p-th slice: its rank here, from_group[p]'s
+            world = self._world
+            parts = tensor.reshape(world, tensor.shape[0] // world, *tensor.shape[1:])
+            tensor = parts[self._from_group].reshape(tensor.shape)
         if tensor.is_complex():  # as in _tensor_reduce
             out, tensor = torch.view_as_real(out), torch.view_as_real(tensor)
         self._native(self._group._reduce_scatter_base, (out, tensor, opts), timeout)
@@ -556,7 +595,8 @@ class _TorchCommunicator(Communicator):
         if mine is None:
             return None
         group = made[groups.index(mine)]
-        sub = type(self)(group, machine=self._machine_key, **self._sub_kwargs(timeout))
+        sub = type(self)(group, machine=self._machine_key, _order=[self._ranks[r] for r in mine],
+                         **self._sub_kwargs(timeout))
         self._owned.remove(group)  # the sub-communicator destroys its group when it closes
         sub._owned.insert(0, group)
         return sub

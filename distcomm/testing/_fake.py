@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import struct
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -15,7 +16,9 @@ from .. import _frame
 from .._all_to_all import all_to_all_problem
 from .._calls import CallSpec, Op
 from .._communicator import COLLECTIVES, Communicator
+from .._messages import encode, parse
 from .._ops import fold_tensors, object_op, tensor_op
+from .._ordering import results_problem
 from .._reductions import as_tensors, dict_op, dict_problem, dict_signature, fold_payload, reduce_digest
 from .._routes import BROADCAST, GATHER, ROUTES, SCATTER, build_slot, over_max_bytes
 from .._routes.broadcast import received_from
@@ -56,7 +59,10 @@ class FakeCommunicator(Communicator):
     through the real pipeline (serialized, framed, transferred, deserialized), so an unpicklable
     object fails here as in a job, and results have the shapes the real communicators return.
 
-    Every collective is recorded in ``calls`` for assertions.
+    Point to point: ``recv(src, tag=t)`` receives ``peers("recv", src, t)`` (the default: the tag
+    itself); what ``send`` sends is loaded back and recorded as ``Call("send", {"obj", "dst", "tag"})``.
+
+    Every collective is recorded in ``calls`` for assertions (messages too).
 
     Args:
         rank: the rank under test.
@@ -88,6 +94,8 @@ class FakeCommunicator(Communicator):
         self._peer_dicts: dict[int, Mapping[Any, torch.Tensor]] = {}
         self._names: list[Any] = []
         self._step1: dict[int, Any] = {}  # an object reduction's objects, by rank
+        self._in_order: dict[int, Any] = {}  # gather_in_order's peers' results, by rank
+        self._inbox: dict[tuple[int, int], deque[memoryview]] = {}  # scripted messages' parts, by (src, tag)
 
     @property
     def rank(self) -> int:
@@ -166,6 +174,13 @@ class FakeCommunicator(Communicator):
                     return self._status_slot(r, _frame.INVALID, problem, size)
                 digest = reduce_digest(*dict_signature(self._peer_dicts[r]), self._dict_op())
             return _frame.encode(op, seq, root, digest, [], size)
+        if op is Op.GATHER_IN_ORDER and not spec.serialize:  # its counts: each peer's count of its results
+            args = self._called[1]
+            theirs = self._in_order[r] = self._peers(op.label, r, args["results"])
+            problem = results_problem(theirs, args["size"], args["sharding"])
+            if problem is not None:
+                return self._status_slot(r, _frame.INVALID, problem, size)
+            return _frame.encode(op, seq, root, spec.digest, [[memoryview(struct.pack("<q", len(theirs)))]], size)
         if op in _TENSOR_OPS:
             reduce_op = self._user_reduce_op()
             theirs = self._peer_tensor(r, obj)
@@ -191,6 +206,8 @@ class FakeCommunicator(Communicator):
                 pobj = fold_payload(spec.stat, objs, name, fn, root)
                 if spec.stat is Op.REDUCE_OBJECT and pobj[0]:
                     pobj = (True, None)
+        elif op is Op.GATHER and self._called[0] == "gather_in_order":
+            pobj = self._in_order[r]  # the results that peer counted
         else:
             pobj = self._peers(op.label, r, obj)
             if op in _FOLD_OPS:
@@ -321,6 +338,21 @@ class FakeCommunicator(Communicator):
                     queue.appendleft(seg[take:])
                 filled += take
 
+    # Point-to-point messages: what a peer sends is scripted, ``peers("recv", src, tag)``; what the
+    # rank under test sends is loaded back and recorded. Both go through the real encoding.
+    def _send_message(self, dst: int, tag: int, parts: list[torch.Tensor], timeout: float | None) -> None:
+        obj = parse(self, [memoryview(p.numpy()) for p in parts], f"send to rank {dst} (tag {tag})", self._rank)  # type: ignore[arg-type]
+        self.calls.append(Call("send", {"obj": obj, "dst": dst, "tag": tag}))
+
+    def _recv_message(self, src: int, tag: int, bufs: list[torch.Tensor], timeout: float | None) -> None:
+        box = self._inbox.setdefault((src, tag), deque())
+        if not box:  # the header of the next message: the scripted peer sends it now
+            obj = self._peers("recv", src, tag)
+            box.extend(encode(self, obj, f"send from rank {src} (tag {tag})"))
+            self.calls.append(Call("recv", {"src": src, "tag": tag}, obj))
+        for buf in bufs:
+            memoryview(buf.numpy())[:] = box.popleft()  # type: ignore[arg-type]
+
     def _reduce_tensor(self, tensor: torch.Tensor, dst: int | None, timeout: float | None) -> None:
         self._fold_dicts(tensor, dst, "sum")
 
@@ -351,7 +383,10 @@ def _recorded(name: str) -> Callable[..., Any]:
     sig = inspect.signature(base)
 
     @functools.wraps(base)
-    def method(self: FakeCommunicator, *args: Any, **kwargs: Any) -> Any:
+    def method(self: FakeCommunicator, *args: Any, async_op: bool = False, **kwargs: Any) -> Any:
+        if async_op is not False:  # queued: the worker calls this method again, which records it when it runs
+            return base(self, *args, async_op=async_op, **kwargs)
+        self._queues.turn()  # a blocking call waits for the queued ones before it records
         bound = sig.bind(self, *args, **kwargs)
         bound.apply_defaults()
         recorded = {k: v for k, v in bound.arguments.items() if k not in ("self", "timeout", "check")}

@@ -100,7 +100,8 @@ def _pool_worker(rank: int, world: int, url: str, inbox: Any, out: Any, backend:
     def state() -> tuple[Any, ...]:  # what a function may change that a fresh world wouldn't have
         groups = len(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else -1  # its own groups too
         return (comm.max_bytes, id(comm.serializer), comm.slot_bytes, comm.receive_cuda_on, comm._local,
-                comm._local_group, len(comm._children), len(comm._owned), groups, comm._misused)
+                comm._local_group, len(comm._children), len(comm._owned), groups, comm._misused,
+                len(comm._queues.pending()))  # calls left pending (async_op, isend)
 
     fresh = state()
     with comm, use(comm):

@@ -38,12 +38,12 @@ class _World:
         self.slots: dict[int, list[Any]] = {}  # each rank's slot (and a scatter root's per rank), by generation
         self.reduces: dict[int, list[Any]] = {}  # tensors per rank, by generation
         self.taken: dict[tuple[str, int], int] = {}
-        self.mail: dict[tuple[int, int], deque[bytes]] = {}
+        self.mail: dict[tuple[int, ...], deque[bytes]] = {}  # by (sender, receiver), and tag for messages
         self.failed: tuple[int, BaseException] | None = None
         self.baton = threading.Lock()
         # exchanges a rank gave up on (it timed out): a late rank then fails as over a transport
         self.abandoned: set[tuple[str, int]] = set()
-        self.cut: set[tuple[int, int]] = set()  # (sender, receiver) pairs whose receiver gave up
+        self.cut: set[tuple[int, ...]] = set()  # (sender, receiver[, tag]) whose receiver gave up
         self.members: list[Communicator | None] = [None] * size  # each rank's communicator, for error messages
 
     def _wake_all(self) -> None:
@@ -110,22 +110,24 @@ class _World:
                 del table[gen], table[-gen - 1], self.taken[key]
         return entry
 
-    def send(self, src: int, dst: int, data: bytes) -> None:
+    def send(self, src: int, dst: int, data: bytes, tag: int | None = None) -> None:
         self._check(src)
-        if (src, dst) in self.cut:
+        key = (src, dst) if tag is None else (src, dst, tag)  # a tag: a point-to-point message's
+        if key in self.cut:
             raise PeerError(f"rank {src}: rank {dst} gave up receiving from it (its timeout expired)", ranks=[dst])
         cond = self.conds[dst]
         with cond:
-            self.mail.setdefault((src, dst), deque()).append(data)
+            self.mail.setdefault(key, deque()).append(data)
             cond.notify_all()
 
-    def recv(self, src: int, dst: int, deadline: float | None) -> bytes:
+    def recv(self, src: int, dst: int, deadline: float | None, tag: int | None = None) -> bytes:
+        key = (src, dst) if tag is None else (src, dst, tag)
         with self.conds[dst]:
-            box = self.mail.setdefault((src, dst), deque())
+            box = self.mail.setdefault(key, deque())
             try:
                 self._wait(dst, lambda: bool(box), deadline, f"receive from rank {src}", lambda: [src])
             except CollectiveTimeoutError:
-                self.cut.add((src, dst))
+                self.cut.add(key)
                 raise
             return box.popleft()
 
@@ -239,6 +241,25 @@ class ThreadedCommunicator(Communicator):
             self._world.send(self._rank, dst, bytes(memoryview(t.numpy())))  # type: ignore[arg-type]
         for src, buf in recvs:
             got = self._guard(lambda src=src: self._world.recv(src, self._rank, deadline))  # type: ignore[misc]
+            if len(got) != buf.numel():
+                raise CollectiveError(
+                    f"rank {self._rank}: expected {buf.numel()} bytes from rank {src}, got {len(got)}", ranks=[src])
+            if got:
+                memoryview(buf.numpy())[:] = got  # type: ignore[arg-type]
+
+    def _send_message(self, dst: int, tag: int, parts: list[torch.Tensor], timeout: float | None) -> None:
+        for p in parts:
+            self._world.send(self._rank, dst, bytes(memoryview(p.numpy())), tag)  # type: ignore[arg-type]
+
+    def _recv_message(self, src: int, tag: int, bufs: list[torch.Tensor], timeout: float | None) -> None:
+        deadline = self._deadline(timeout)
+        for buf in bufs:
+            try:
+                got = self._world.recv(src, self._rank, deadline, tag)
+            except CollectiveTimeoutError as e:  # as over gloo: the pair's connection is gone
+                self._mark_broken(f"recv from rank {src} (tag {tag}) timed out")
+                raise CollectiveTimeoutError(f"recv from rank {src} (tag {tag}) timed out after {timeout}s: {e}",
+                                             op="recv", ranks=[src]) from e
             if len(got) != buf.numel():
                 raise CollectiveError(
                     f"rank {self._rank}: expected {buf.numel()} bytes from rank {src}, got {len(got)}", ranks=[src])

@@ -1,0 +1,235 @@
+"""Point-to-point objects: ``send``/``recv`` and ``isend``/``irecv`` between two ranks.
+
+A message travels as a fixed-size header (its segments' count and total bytes), the segments'
+sizes when there is more than one segment, then each segment into memory of its exact size: the
+serializer's stream and its out-of-band buffers (large numpy arrays and tensors), which become the
+received object's memory. The receiver checks the header against ``max_bytes`` before it
+allocates anything. Messages between a pair are matched by tag and arrive in the order they were
+sent: each (direction, peer, tag) is a lane that runs its messages one at a time (``_handles``),
+so a message's buffers are posted before the next message's header.
+
+The transports move the parts through two hooks, ``_send_message`` and ``_recv_message``; the
+torch transports' are here (``torch_send``, ``torch_recv``), over the object group's gloo
+send/recv, with tags of their own (``GLOO_TAG_BASE`` + tag) that never meet the collectives' (tag 0).
+"""
+
+from __future__ import annotations
+
+import datetime
+import struct
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from ._errors import (
+    CollectiveError,
+    CollectiveTimeoutError,
+    DistCommError,
+    FrameError,
+    PayloadTooLargeError,
+    PeerError,
+    SerializationError,
+)
+from ._handles import Handle
+from ._memory import as_view, byte_tensor
+from ._serialization import failure_text
+from ._waits import DEAD_GRACE, SLICE, WAITERS, alive
+
+if TYPE_CHECKING:
+    from ._communicator import Communicator
+    from ._torch import _TorchCommunicator
+
+__all__ = ["GLOO_TAG_BASE", "TAGS", "decode", "encode", "isend", "irecv", "torch_recv", "torch_send"]
+
+TAGS = 1 << 30
+"""Tags are ints in [0, TAGS)."""
+GLOO_TAG_BASE = 1 << 30
+"""gloo's tag of a message of tag t is GLOO_TAG_BASE + t: apart from the collectives' 0 and from
+the small tags of the user's own torch.distributed.send on the same group."""
+
+_HEAD = struct.Struct("<4sIQQ")  # magic, version, number of segments, total bytes
+_MAGIC = b"DCMS"
+_VERSION = 1
+
+
+def _check(comm: Communicator, name: str, peer: int, tag: int) -> None:
+    """Bad arguments, before anything moves."""
+    comm._check_root(name, peer)
+    if peer == comm.rank:
+        raise ValueError(f"{name}={peer} is this rank: a rank can't send a message to itself")
+    if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)):
+        raise TypeError(f"tag must be an int, got {type(tag).__name__}")
+    if not 0 <= tag < TAGS:
+        raise ValueError(f"tag must be in [0, 2**30), got {tag}")
+
+
+def isend(comm: Communicator, obj: Any, dst: int, tag: int, timeout: float | datetime.timedelta | None,
+          site: tuple[str, int]) -> Handle[None]:
+    _check(comm, "dst", dst, tag)
+    dst, tag = int(dst), int(tag)
+    comm._check_usable()
+    t = comm._op_timeout(timeout)
+    what = f"send to rank {dst} (tag {tag})"
+
+    def run() -> None:
+        comm._check_usable()
+        comm._send_message(dst, tag, [byte_tensor(p) for p in encode(comm, obj, what)], t)
+
+    return comm._queues.lane(("send", dst, tag)).submit(Handle(what, site), run)
+
+
+def irecv(comm: Communicator, src: int, tag: int, timeout: float | datetime.timedelta | None,
+          site: tuple[str, int]) -> Handle[Any]:
+    _check(comm, "src", src, tag)
+    src, tag = int(src), int(tag)
+    comm._check_usable()
+    t = comm._op_timeout(timeout)
+    what = f"recv from rank {src} (tag {tag})"
+
+    def run() -> Any:
+        comm._check_usable()
+        return _receive(comm, src, tag, t, what)
+
+    return comm._queues.lane(("recv", src, tag)).submit(Handle(what, site), run)
+
+
+def encode(comm: Communicator, obj: Any, what: str) -> list[memoryview]:
+    """``obj`` as the parts of a message: header, sizes (more than one segment), non-empty segments."""
+    try:
+        segs = [memoryview(s).cast("B") for s in comm.serializer.dumps(obj)]
+    except DistCommError:
+        raise
+    except Exception as e:
+        raise SerializationError(f"{what}: can't serialize the object: {failure_text(comm.serializer, obj, e)}",
+                                 op="send") from e
+    total = sum(s.nbytes for s in segs)
+    if comm.max_bytes is not None and total > comm.max_bytes:
+        raise PayloadTooLargeError(f"{what}: payload of {total} bytes is over max_bytes={comm.max_bytes}",
+                                   op="send")
+    parts = [memoryview(_HEAD.pack(_MAGIC, _VERSION, len(segs), total))]
+    if len(segs) > 1:
+        parts.append(memoryview(np.array([s.nbytes for s in segs], dtype="<u8").tobytes()))
+    return parts + [s for s in segs if s.nbytes]
+
+
+def _receive(comm: Communicator, src: int, tag: int, timeout: float | None, what: str) -> Any:
+    deadline = None if timeout is None else time.monotonic() + timeout
+
+    def left() -> float | None:
+        return None if deadline is None else max(deadline - time.monotonic(), 0.001)
+
+    head = torch.empty(_HEAD.size, dtype=torch.uint8)
+    comm._recv_message(src, tag, [head], timeout)
+    magic, version, n, total = _HEAD.unpack(bytes(as_view(head)))
+    if magic != _MAGIC or version != _VERSION or n < 1 or n > total + 1:
+        comm._mark_broken(f"{what}: not a distcomm message")
+        raise FrameError(f"{what}: the bytes received are not a distcomm message header", op="recv", ranks=[src])
+    if comm.max_bytes is not None and total > comm.max_bytes:  # before anything of that size is allocated
+        comm._mark_broken(f"{what}: refused a message of {total} bytes")
+        raise PayloadTooLargeError(f"{what}: the message announces {total} bytes, over max_bytes={comm.max_bytes}",
+                                   op="recv", ranks=[src])
+    sizes = [total]
+    if n > 1:
+        table = torch.empty(8 * n, dtype=torch.uint8)
+        comm._recv_message(src, tag, [table], left())
+        sizes = [int(s) for s in np.frombuffer(as_view(table), dtype="<u8")]
+        if sum(sizes) != total:
+            comm._mark_broken(f"{what}: inconsistent sizes")
+            raise FrameError(f"{what}: the message's sizes don't add up to its total", op="recv", ranks=[src])
+    bufs = [torch.empty(s, dtype=torch.uint8) for s in sizes]
+    comm._recv_message(src, tag, [b for b in bufs if b.numel()], left())
+    return decode(comm, [as_view(b) for b in bufs], what, src)
+
+
+def decode(comm: Communicator, views: list[memoryview], what: str, src: int) -> Any:
+    try:
+        return comm.serializer.loads(views)
+    except CollectiveError as e:
+        e.args = (f"{what}: can't load the object: {e}",)
+        e.op, e.ranks = "recv", (src,)
+        raise
+    except Exception as e:
+        raise SerializationError(f"{what}: can't load the object: {type(e).__name__}: {e}", op="recv",
+                                 ranks=[src]) from e
+
+
+def parse(comm: Communicator, parts: list[memoryview], what: str, src: int) -> Any:
+    """The object of a message's ``parts`` (as ``encode`` made them): the fake's record of a send."""
+    _, _, n, total = _HEAD.unpack(bytes(parts[0]))
+    sizes = [total] if n == 1 else [int(s) for s in np.frombuffer(parts[1], dtype="<u8")]
+    it = iter(parts[1 if n == 1 else 2:])
+    return decode(comm, [memoryview(bytearray(next(it))) if s else memoryview(b"") for s in sizes], what, src)
+
+
+# ---------------------------------------------------------------- the torch transports
+def torch_send(comm: _TorchCommunicator, dst: int, tag: int, parts: list[torch.Tensor], timeout: float | None) -> None:
+    what = f"send to rank {dst} (tag {tag})"
+    g = comm._obj_group
+    try:
+        works = [g.send([p], comm._at(dst), GLOO_TAG_BASE + tag) for p in parts]  # as the group numbers it
+    except Exception as e:
+        _failed(comm, e, what, dst, timeout)
+    _await(comm, works, dst, timeout, what)
+
+
+def torch_recv(comm: _TorchCommunicator, src: int, tag: int, bufs: list[torch.Tensor], timeout: float | None) -> None:
+    what = f"recv from rank {src} (tag {tag})"
+    g = comm._obj_group
+    try:
+        works = [g.recv([b], comm._at(src), GLOO_TAG_BASE + tag) for b in bufs]
+    except Exception as e:
+        _failed(comm, e, what, src, timeout)
+    _await(comm, works, src, timeout, what)
+
+
+def _await(comm: _TorchCommunicator, works: list[Any], peer: int, timeout: float | None, what: str) -> None:
+    """Wait for point-to-point ``works`` in a waiter thread (a timed-out wait can't be resumed)
+    while this one watches the peer's process (a dead peer whose connection a child keeps open)."""
+    if not works:
+        return
+    td = None if timeout is None else datetime.timedelta(seconds=timeout)
+
+    def whole() -> None:
+        for w in works:
+            if td is None:
+                w.wait()
+            else:
+                w.wait(td)
+
+    done, failed = WAITERS.run(whole)
+    start, gone_at = time.monotonic(), None
+    while not done.wait(SLICE):
+        pid = comm._peer_pids.get(peer)
+        now = time.monotonic()
+        if pid is not None and not alive(pid):
+            gone_at = gone_at or now
+            if now - gone_at >= DEAD_GRACE:
+                comm._mark_broken(f"{what}: rank {peer} exited")
+                raise PeerError(f"{what}: rank {peer} (pid {pid}) exited before the message was through",
+                                op=what.split()[0], ranks=[peer])
+        if timeout is not None and now - start > timeout + DEAD_GRACE:
+            comm._mark_broken(f"{what}: the transport didn't finish")
+            raise CollectiveTimeoutError(f"{what} timed out after {timeout}s (the transport didn't finish)",
+                                         op=what.split()[0], ranks=[peer])
+    if failed:
+        _failed(comm, failed[0], what, peer, timeout)
+
+
+def _failed(comm: Communicator, e: BaseException, what: str, peer: int, timeout: float | None) -> Any:
+    """The transport's error as distcomm's; the pair's connection is gone, so is the communicator."""
+    if isinstance(e, DistCommError):
+        raise e
+    text = str(e).split("\n")[0][:200]
+    low = text.lower()
+    comm._mark_broken(f"{what}: {text[:160]}")
+    make: Callable[..., CollectiveError] = CollectiveError
+    if "timed out" in low or "timeout" in low:
+        raise CollectiveTimeoutError(f"{what} timed out after {timeout}s: rank {peer} didn't take part "
+                                     f"(transport: {text})", op=what.split()[0], ranks=[peer]) from e
+    if "closed" in low or "reset" in low or "broken pipe" in low or "connection" in low:
+        make = PeerError
+    raise make(f"{what} failed: lost rank {peer}? (transport: {text})" if make is PeerError
+               else f"{what} failed in the transport: {text}", op=what.split()[0], ranks=[peer]) from e

@@ -1,0 +1,127 @@
+"""Point-to-point objects: send/recv and isend/irecv over real gloo processes, the threaded world,
+the fake and a world of one."""
+
+from __future__ import annotations
+
+import fractions
+import os
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+import distcomm
+from distcomm.testing import FakeCommunicator, run_threaded, spawn
+
+
+def _exchange(comm: distcomm.Communicator) -> Any:
+    """Rank 0 sends objects on two tags (large arrays out of band); rank 1 receives them by tag."""
+    if comm.rank == 0:
+        hs = [comm.isend(("x", i, np.arange(100_000) + i), 1, tag=i % 2) for i in range(4)]
+        comm.send({"small": 1}, 1, tag=7)
+        for h in hs:
+            assert h.wait() is None
+        return comm.recv(1, tag=5)
+    odd = [comm.recv(0, tag=1) for _ in range(2)]  # tag 1 first: tags are matched, not arrival order
+    small = comm.irecv(0, tag=7)
+    even = [comm.irecv(0, tag=0) for _ in range(2)]
+    got = odd + [h.wait() for h in even]
+    comm.send("thanks", 0, tag=5)
+    assert small.wait() == {"small": 1}
+    return [(g[1], int(g[2][0]), g[2].shape) for g in got]
+
+
+_EXPECTED = [(1, 1, (100_000,)), (3, 3, (100_000,)), (0, 0, (100_000,)), (2, 2, (100_000,))]
+
+
+def test_messages_by_tag_in_order_over_gloo_and_threads() -> None:
+    for got in (spawn(_exchange, 2, timeout=120), run_threaded(_exchange, 2, timeout=60)):
+        assert got == ["thanks", _EXPECTED]
+
+
+def _bad_input(comm: distcomm.Communicator) -> list[str]:
+    out = []
+    for call in (lambda: comm.send(1, comm.rank), lambda: comm.send(1, 5), lambda: comm.recv(-1),
+                 lambda: comm.isend(1, 1 - comm.rank, tag=-1), lambda: comm.irecv(1 - comm.rank, tag=1 << 30),
+                 lambda: comm.send(1, "1")):  # type: ignore[arg-type]
+        with pytest.raises((ValueError, TypeError)) as e:
+            call()
+        out.append(type(e.value).__name__)
+    comm.synchronize()  # nothing was sent: the communicator is as it was
+    return out
+
+
+def test_bad_input_raises_before_anything_moves() -> None:
+    want = ["ValueError"] * 5 + ["TypeError"]
+    assert spawn(_bad_input, 2, timeout=120) == [want, want]
+    with distcomm.LocalCommunicator() as comm:
+        with pytest.raises(ValueError, match="itself"):
+            comm.send(1, 0)
+        with pytest.raises(ValueError, match="out of range"):
+            comm.recv(1)
+
+
+def _timeout(comm: distcomm.Communicator) -> str:
+    if comm.rank == 0:
+        with pytest.raises(distcomm.CollectiveTimeoutError, match=r"recv from rank 1 \(tag 3\)") as e:
+            comm.recv(1, tag=3, timeout=1.0)
+        with pytest.raises(distcomm.CommunicatorStateError):  # the pair's connection is gone
+            comm.recv(1, tag=3)
+        return type(e.value).__name__
+    time.sleep(3)
+    return "idle"
+
+
+def test_a_receive_that_times_out_is_a_clear_error() -> None:
+    assert spawn(_timeout, 2, timeout=120, reuse=False) == ["CollectiveTimeoutError", "idle"]
+
+
+def _dead_peer(comm: distcomm.Communicator) -> str:
+    if comm.rank == 1:
+        time.sleep(0.5)
+        os._exit(0)
+    with pytest.raises((distcomm.PeerError, distcomm.CollectiveTimeoutError)) as e:
+        comm.recv(1, timeout=60)
+    return type(e.value).__name__
+
+
+def test_a_dead_peer_is_a_clear_error() -> None:
+    got = spawn(_dead_peer, 2, timeout=120, reuse=False, return_exceptions=True)
+    assert got[0] == "PeerError"
+
+
+def _over_max_bytes(comm: distcomm.Communicator) -> str:
+    if comm.rank == 0:
+        with pytest.raises(distcomm.PayloadTooLargeError, match="over max_bytes"):
+            comm.send(np.zeros(10_000), 1)  # refused before anything is sent
+        comm.send(np.zeros(10), 1)
+        return "sent"
+    return str(comm.recv(0).shape)
+
+
+def test_max_bytes_on_the_sender_and_the_receiver() -> None:
+    assert spawn(_over_max_bytes, 2, timeout=120, max_bytes=4096) == ["sent", "(10,)"]
+    # a receiver refuses an announced size over its max_bytes without allocating it
+    big = FakeCommunicator(0, 2, peers=lambda op, r, tag: np.zeros(10_000))
+    small = FakeCommunicator(0, 2, peers=lambda op, r, tag: np.zeros(10_000), max_bytes=4096)
+    assert big.recv(1).shape == (10_000,)
+    with pytest.raises(distcomm.PayloadTooLargeError, match="over max_bytes"):
+        small.recv(1)
+
+
+def test_safe_serializer_refuses_what_it_does_not_allow() -> None:
+    fake = FakeCommunicator(0, 2, peers=lambda op, r, tag: fractions.Fraction(1, 3),
+                            serializer=distcomm.SafeSerializer())
+    with pytest.raises(distcomm.UnsafePayloadError):
+        fake.recv(1)
+
+
+def test_the_fake_scripts_and_records_messages() -> None:
+    fake = FakeCommunicator(0, 3, peers=lambda op, r, tag: {"from": r, "tag": tag})
+    assert fake.recv(2, tag=4) == {"from": 2, "tag": 4}
+    assert fake.irecv(1).wait() == {"from": 1, "tag": 0}
+    fake.isend([1, 2], 1, tag=9).wait()
+    assert fake.calls[-1] == distcomm.testing.Call("send", {"obj": [1, 2], "dst": 1, "tag": 9})
+    with pytest.raises(ValueError, match="itself"):
+        fake.send(1, 0)
