@@ -387,9 +387,14 @@ class Communicator(abc.ABC):
         self._run(CallSpec(Op.BARRIER, -1, None, t, serialize=False))
         self._device_barrier(t)
 
-    def barrier(self, timeout: float | datetime.timedelta | None = None) -> None:
-        """torch's and mmengine's name for ``synchronize``."""
+    def barrier(self, timeout: float | datetime.timedelta | None = None, *,
+                async_op: bool = False) -> Handle[None] | None:
+        """torch's and mmengine's name for ``synchronize``; with ``async_op=True``, its Handle (as
+        torch's barrier returns its work)."""
+        if async_op:
+            return self.start(self.synchronize, timeout)
         self.synchronize(timeout)
+        return None
 
     def all_gather(self, obj: Any, *, timeout: float | datetime.timedelta | None = None) -> list[Any]:
         """Collect one object from every rank, on every rank.

@@ -63,6 +63,8 @@ def _both_ways(comm: distcomm.Communicator) -> dict[str, Any]:
         handle = getattr(comm, name)(*args, async_op=True, **kwargs)
         assert isinstance(handle, distcomm.Handle)
         out[name] = (blocking, _plain(handle.wait()))
+    barrier = comm.barrier(async_op=True)
+    assert isinstance(barrier, distcomm.Handle) and barrier.wait() is None and comm.barrier() is None
     seeds = comm.all_gather(comm.shared_random_seed(async_op=True).wait())
     out["shared_random_seed"] = len(set(seeds)) == 1
     return out
