@@ -51,9 +51,10 @@ lint: $(STAMP)  ## ruff
 typecheck: $(STAMP)  ## mypy --strict
 	$(BIN)/mypy distcomm
 
-bench: $(STAMP)  ## quick timing against torch at 2-16 ranks (bytes per call beside time), tensor collectives too (writes benchmarks/out/)
+bench: $(STAMP)  ## quick timing against torch at 2-16 ranks (bytes per call beside time), tensor collectives, async overlap (writes benchmarks/out/)
 	$(BIN)/python benchmarks/run.py --quick
 	$(BIN)/python benchmarks/tensors.py --quick
+	$(BIN)/python benchmarks/overlap.py
 
 bench-full: $(STAMP)  ## the README's figures: full runs at 2-8 ranks, sweep, peak memory (benchmarks/results/)
 	$(BIN)/python benchmarks/run.py --save
