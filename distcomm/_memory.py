@@ -103,18 +103,16 @@ class GCPause:
 
 
 def _age_young_objects() -> None:
-    """Move the young generation, which holds what was just loaded, to the oldest, in O(1).
+    """Collect the young generations now, while the loaded objects are still this call's.
 
-    Left young, the loaded objects (tens of thousands of dicts and lists for detection results)
-    start a collection at the next allocation that walks every one of them, finds nothing to
-    free, and lands on whatever runs next: this collective's return, or the user's next call.
-    They are the call's results, long-lived like the rest of the heap: the full collections that
-    walk the heap anyway will look at them. ``gc.freeze()`` then ``gc.unfreeze()`` splice the
-    generations' lists into the oldest one without walking them; skipped when the process froze
-    objects of its own (unfreeze would release them)."""
-    if gc.isenabled() and gc.get_freeze_count() == 0:
-        gc.freeze()
-        gc.unfreeze()
+    The pause left every object the load allocated in the young generation, far past its
+    threshold: the collection that walks them (and frees nothing: they are the results) would
+    start at the next allocation, landing on this call's return or on whatever the user runs next.
+    One collection of the young generation here walks them once, in this call, and ages them
+    with the collector's own accounting, so the full collections that free the user's garbage
+    cycles come as often as they would without the pause. Nothing when no collection is due."""
+    if gc.isenabled() and gc.get_count()[0] >= gc.get_threshold()[0] > 0:
+        gc.collect(0)
 
 
 GC_PAUSE_BYTES = 16 * 1024
