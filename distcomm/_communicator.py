@@ -35,7 +35,7 @@ from ._all_to_all import all_to_all, all_to_all_problem
 from ._calls import CallSpec, Op, OpStats
 from ._errors import CollectiveError, CommunicatorStateError
 from ._groups import dup, regroup_machines, split, sub_settings
-from ._handles import Handle, Queues, start_collective
+from ._handles import Handle, Queues, refuse_close, start_collective
 from ._memory import seconds
 from ._messages import irecv, isend
 from ._ops import object_op, tensor_op
@@ -278,7 +278,7 @@ class Communicator(abc.ABC):
         if self._closed:
             return
         if os.getpid() == self._pid:
-            self._queues.refuse_close(type(self).__name__)
+            refuse_close(type(self).__name__, self._pending_calls())  # before anything is released
         self._closed = True
         if os.getpid() == self._pid:
             for child in self._children.values():
@@ -286,10 +286,22 @@ class Communicator(abc.ABC):
             self._children.clear()
             self._shutdown()
 
+    def _pending_calls(self) -> list[Handle[Any]]:
+        """Non-blocking calls still queued or running, here or on a sub-communicator it owns."""
+        children = [c for c in self._children.values() if not c._closed]
+        return self._queues.pending() + [h for c in children for h in c._pending_calls()]
+
     def __enter__(self: _T) -> _T:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        if exc is not None and self._pending_calls():
+            # closing under running calls would break them, and raising would hide the error that
+            # ends the block: it stays open, and the error says so
+            note = getattr(exc, "add_note", None)  # (Python 3.11 and later)
+            if note is not None:
+                note(f"distcomm: the {type(self).__name__} was left open: non-blocking calls are still pending")
+            return
         self.close()
 
     def start(self, call: Callable[_P, _R], /, *args: _P.args, **kwargs: _P.kwargs) -> Handle[_R]:

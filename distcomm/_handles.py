@@ -26,7 +26,7 @@ from ._memory import seconds
 if TYPE_CHECKING:
     from ._communicator import Communicator
 
-__all__ = ["Handle", "Queue", "Queues", "start_collective"]
+__all__ = ["Handle", "Queue", "Queues", "refuse_close", "start_collective"]
 
 _R = TypeVar("_R")
 _UNSET: Any = object()
@@ -167,15 +167,16 @@ class Queues:
             queues = ([self.collectives] if self.collectives is not None else []) + list(self._lanes.values())
         return [h for q in queues for h in q.pending()]
 
-    def refuse_close(self, name: str) -> None:
-        """Raise if calls are still pending: closing under them would hang or break them."""
-        pending = self.pending()
-        if pending:
-            calls = ", ".join(f"{h._name} at {where(h._site)}" for h in pending[:8])
-            more = f" and {len(pending) - 8} more" if len(pending) > 8 else ""
-            raise CommunicatorStateError(
-                f"close() was called on a {name} with {len(pending)} non-blocking "
-                f"call{'s' if len(pending) > 1 else ''} still pending ({calls}{more}): wait() on their handles first")
+
+
+def refuse_close(name: str, pending: list[Handle[Any]]) -> None:
+    """Raise if calls are still pending: closing under them would hang or break them."""
+    if pending:
+        calls = ", ".join(f"{h._name} at {where(h._site)}" for h in pending[:8])
+        more = f" and {len(pending) - 8} more" if len(pending) > 8 else ""
+        raise CommunicatorStateError(
+            f"close() was called on a {name} with {len(pending)} non-blocking "
+            f"call{'s' if len(pending) > 1 else ''} still pending ({calls}{more}): wait() on their handles first")
 
 
 def start_collective(comm: Communicator, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], async_op: Any,

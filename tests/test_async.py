@@ -165,6 +165,45 @@ def test_wait_with_a_timeout_leaves_the_handle_waitable() -> None:
         comm.all_gather(1, async_op=True)
 
 
+def _slow_peers(gate: threading.Event) -> Any:
+    def peers(op: str, rank: int, obj: Any) -> Any:
+        if op == "all_gather":
+            gate.wait(30)  # the scripted peer takes its time
+        return obj
+
+    return peers
+
+
+def test_close_refuses_pending_work_on_a_sub_communicator_and_changes_nothing() -> None:
+    gate = threading.Event()
+    comm = FakeCommunicator(0, 2, peers=_slow_peers(gate))
+    child = comm.dup()
+    assert child is not None
+    h = child.all_gather(1, async_op=True)
+    with pytest.raises(distcomm.CommunicatorStateError, match=r"pending \(all_gather at"):
+        comm.close()
+    assert not comm._closed and not child._closed  # refused before anything was released
+    gate.set()
+    assert h.wait(timeout=30) == [1, 1]
+    comm.close()
+    assert comm._closed and child._closed
+
+
+def test_an_error_leaving_a_with_block_is_not_hidden_by_pending_work() -> None:
+    gate = threading.Event()
+    comm = FakeCommunicator(0, 2, peers=_slow_peers(gate))
+    with pytest.raises(ValueError, match="the user's") as info:
+        with comm:
+            h = comm.all_gather(1, async_op=True)
+            raise ValueError("the user's error")
+    assert not comm._closed  # left open: closing would break the pending call
+    if hasattr(info.value, "__notes__"):
+        assert "left open" in info.value.__notes__[0]
+    gate.set()
+    assert h.wait(timeout=30) == [1, 1]
+    comm.close()
+
+
 def test_bad_arguments_raise_from_wait_and_async_op_must_be_a_bool() -> None:
     comm = distcomm.LocalCommunicator()
     with pytest.raises(ValueError, match="out of range"):
