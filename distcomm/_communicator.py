@@ -519,8 +519,8 @@ class Communicator(abc.ABC):
     # arrive in the order they were sent (see _messages). A timeout or a lost peer breaks the
     # communicator (the pair's connection is gone).
     def send(self, obj: Any, dst: int, *, tag: int = 0, timeout: float | datetime.timedelta | None = None) -> None:
-        """Send ``obj`` to rank ``dst``, which receives it with ``recv(src, tag=tag)``; returns once
-        ``dst`` has taken it. ``tag``: an int in [0, 2**30). Large buffers travel out of band."""
+        """Send ``obj`` to rank ``dst``, which receives it with ``recv(src, tag=tag)``; may wait until
+        ``dst`` takes it. ``tag``: an int in [0, 2**30). Large buffers travel out of band."""
         isend(self, obj, dst, tag, timeout, _user_site()).wait()
 
     def recv(self, src: int, *, tag: int = 0, timeout: float | datetime.timedelta | None = None) -> Any:

@@ -5,8 +5,12 @@ gloo reduces in a ring: 2 (world - 1) messages in sequence per rank, whatever th
 for a few values each message's latency is the whole cost. A gather on the root (one message from
 each rank), a fold there in rank order and gloo's binomial broadcast take 1 + log2(world) steps and
 about as many bytes per rank (each rank sends its values once and receives the result once),
-the root taking one message per rank. Kept to worlds where the header exchange is one gather too
-(``FLAT_WORLD``) and to values whose gather the root takes at once (``GATHERED_REDUCE_BYTES``).
+the root taking one message per rank. Kept to worlds of up to ``FLAT_WORLD`` ranks (where the
+header exchange of hosts of one rank is one gather too) and to values whose gather the root takes
+at once (``GATHERED_REDUCE_BYTES``). Integers reduce exactly as in the ring; float sums differ from
+the ring's in the last bits (the additions run in another order, the same on every rank), and
+half-precision values stay in the ring, where each addition rounds to half precision (a fold on
+the root would add in float32 and round once).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 
 from . import _frame
 from ._header_exchange import FLAT_WORLD, binomial_children
+from ._ops import fold_tensors
 
 if TYPE_CHECKING:
     from ._torch import _TorchCommunicator
@@ -27,16 +32,20 @@ GATHERED_REDUCE_BYTES = 8 << 10
 """Reductions of up to this many bytes per rank (a thousand float64 values) go through the root."""
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
 def takes_gathered(comm: _TorchCommunicator, tensor: torch.Tensor) -> bool:
     """Whether ``gathered_reduce`` reduces ``tensor`` in this world."""
     return (_frame.SMALL_WORLD < comm._world <= FLAT_WORLD and tensor.is_cpu and tensor.is_contiguous()
-            and tensor.numel() * tensor.element_size() <= GATHERED_REDUCE_BYTES)
+            and tensor.dtype not in _HALF and tensor.numel() * tensor.element_size() <= GATHERED_REDUCE_BYTES)
+
 
 
 def gathered_reduce(comm: _TorchCommunicator, tensor: torch.Tensor, dst: int | None, op: str,
                     timeout: float | None) -> None:
     """Reduce ``tensor`` in place onto ``dst`` (None: onto every rank) with ``op`` ("sum", "mean" as
-    a sum, "max", "min", "prod"): the root folds every rank's values in rank order."""
+    a sum, "max", "min", "prod"): the root folds every rank's values in the group's rank order."""
     world, me = comm._world, comm._rank
     root = 0 if dst is None else dst
     flat = tensor.view(-1)
@@ -46,7 +55,7 @@ def gathered_reduce(comm: _TorchCommunicator, tensor: torch.Tensor, dst: int | N
     at = comm._at(root)  # the root as the group numbers it (a split's keys may order the ranks otherwise)
     comm._native(comm._group.gather, (outs, [raw], comm._opts("GatherOptions", timeout, root=at)), timeout)
     if rows is not None:
-        flat.copy_(_fold(rows.view(flat.dtype), op))
+        flat.copy_(fold_tensors(rows.view(flat.dtype).unbind(0), op))
     if dst is None:
         comm._native(comm._group.broadcast, ([raw], comm._opts("BroadcastOptions", timeout, root=at)), timeout)
 
@@ -59,15 +68,7 @@ def gathered_traffic(comm: _TorchCommunicator, tensor: torch.Tensor, dst: int | 
     n = tensor.numel() * tensor.element_size()
     sent, received = (0, (world - 1) * n) if me == root else (n, 0)
     if dst is None:
-        v = (me - root) % world
+        v = (comm._at(me) - comm._at(root)) % world  # gloo's tree runs in the group's numbering
         sent += binomial_children(world, v) * n
         received += 0 if v == 0 else n
     return sent, received
-
-
-def _fold(rows: torch.Tensor, op: str) -> torch.Tensor:
-    if op in ("sum", "mean"):
-        return rows.sum(0, dtype=rows.dtype)
-    if op == "prod":
-        return rows.prod(0, dtype=rows.dtype)
-    return rows.amax(0) if op == "max" else rows.amin(0)

@@ -19,6 +19,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+import torch
+
 from ._agreement import where
 from ._errors import CommunicatorStateError
 from ._memory import seconds
@@ -26,7 +28,7 @@ from ._memory import seconds
 if TYPE_CHECKING:
     from ._communicator import Communicator
 
-__all__ = ["Handle", "Queue", "Queues", "refuse_close", "start_collective"]
+__all__ = ["Handle", "Queue", "Queues", "as_caller", "refuse_close", "start_collective"]
 
 _R = TypeVar("_R")
 _UNSET: Any = object()
@@ -40,7 +42,7 @@ class Handle(Generic[_R]):
     runs, not when it is started: don't change them before ``wait()`` returns.
     """
 
-    __slots__ = ("_error", "_event", "_name", "_site", "_value")
+    __slots__ = ("_error", "_event", "_name", "_site", "_traceback", "_value")
 
     def __init__(self, name: str, site: tuple[str, int]) -> None:
         self._name = name
@@ -48,6 +50,7 @@ class Handle(Generic[_R]):
         self._event = threading.Event()
         self._value: Any = _UNSET
         self._error: BaseException | None = None
+        self._traceback: Any = None
 
     def done(self) -> bool:
         """Whether the call has finished (returned or raised): ``wait()`` then returns at once."""
@@ -64,12 +67,13 @@ class Handle(Generic[_R]):
         if not self._event.wait(limit):
             raise TimeoutError(f"{self._name} (started at {where(self._site)}) has not finished after {limit}s; "
                                f"it is still running: call wait() again")
-        if self._error is not None:
-            raise self._error
+        if self._error is not None:  # with the call's traceback, not one grown by every wait()
+            raise self._error.with_traceback(self._traceback)
         return self._value  # type: ignore[no-any-return]
 
     def _finish(self, value: Any, error: BaseException | None) -> None:
         self._value, self._error = value, error
+        self._traceback = error.__traceback__ if error is not None else None
         self._event.set()
 
     def __repr__(self) -> str:
@@ -129,6 +133,15 @@ class Queue:
         with self._cond:
             return ([self._running] if self._running is not None else []) + [h for h, _ in self._calls]
 
+    def idle(self) -> bool:
+        """Nothing queued, nothing running, no thread serving."""
+        with self._cond:
+            return not self._calls and self._running is None and not self._thread
+
+
+LANES_KEPT = 64
+"""Point-to-point lanes kept before the idle ones are let go."""
+
 
 class Queues:
     """A communicator's queue of non-blocking collectives and its point-to-point lanes."""
@@ -155,12 +168,21 @@ class Queues:
                 self.collectives = Queue()
             return self.collectives
 
-    def lane(self, key: tuple[str, int, int]) -> Queue:
+    def submit_to_lane(self, key: tuple[str, int, int], handle: Handle[_R], fn: Callable[[], _R]) -> Handle[_R]:
+        """Queue ``fn`` on the lane ``key`` (direction, peer, tag). Idle lanes are let go once there
+        are more than ``LANES_KEPT`` (a tag per step would otherwise keep one per step): under the
+        lock that every submission takes, so no call lands on a lane being let go."""
         with self._lock:
             q = self._lanes.get(key)
             if q is None:
+                if len(self._lanes) >= LANES_KEPT:
+                    self._lanes = {k: v for k, v in self._lanes.items() if not v.idle()}
                 q = self._lanes[key] = Queue()
-            return q
+            q.submit(handle, fn)
+        return handle
+
+    def lanes(self) -> int:
+        return len(self._lanes)
 
     def pending(self) -> list[Handle[Any]]:
         with self._lock:
@@ -186,4 +208,19 @@ def start_collective(comm: Communicator, name: str, args: tuple[Any, ...], kwarg
         raise TypeError(f"async_op must be a bool, got {type(async_op).__name__}")
     comm._check_usable()
     method = getattr(comm, name)  # the instance's: a double's wrapper (the fake records it) runs too
-    return comm._queues.collective_queue().submit(Handle(name, site), lambda: method(*args, **kwargs))
+    return comm._queues.collective_queue().submit(Handle(name, site), as_caller(lambda: method(*args, **kwargs)))
+
+
+def as_caller(fn: Callable[[], _R]) -> Callable[[], _R]:
+    """``fn`` to run on a worker thread with the caller's current CUDA device and stream, as the
+    blocking call would (a new thread starts on device 0 and its default stream: received CUDA
+    tensors would land on device 0, and the caller's stream's work would not be ordered first)."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):  # type: ignore[no-untyped-call]
+        return fn
+    device, stream = torch.cuda.current_device(), torch.cuda.current_stream()
+
+    def run() -> _R:
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            return fn()
+
+    return run

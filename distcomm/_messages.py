@@ -33,9 +33,11 @@ from ._errors import (
     PeerError,
     SerializationError,
 )
-from ._handles import Handle
+from ._handles import Handle, as_caller
 from ._memory import as_view, byte_tensor
+from ._routes.base import check_receivable
 from ._serialization import failure_text
+from ._tensor_pickle import CUDA_TARGET
 from ._waits import DEAD_GRACE, SLICE, WAITERS, alive
 
 if TYPE_CHECKING:
@@ -78,7 +80,7 @@ def isend(comm: Communicator, obj: Any, dst: int, tag: int, timeout: float | dat
         comm._check_usable()
         comm._send_message(dst, tag, [byte_tensor(p) for p in encode(comm, obj, what)], t)
 
-    return comm._queues.lane(("send", dst, tag)).submit(Handle(what, site), run)
+    return comm._queues.submit_to_lane(("send", dst, tag), Handle(what, site), as_caller(run))
 
 
 def irecv(comm: Communicator, src: int, tag: int, timeout: float | datetime.timedelta | None,
@@ -93,7 +95,7 @@ def irecv(comm: Communicator, src: int, tag: int, timeout: float | datetime.time
         comm._check_usable()
         return _receive(comm, src, tag, t, what)
 
-    return comm._queues.lane(("recv", src, tag)).submit(Handle(what, site), run)
+    return comm._queues.submit_to_lane(("recv", src, tag), Handle(what, site), as_caller(run))
 
 
 def encode(comm: Communicator, obj: Any, what: str) -> list[memoryview]:
@@ -131,6 +133,7 @@ def _receive(comm: Communicator, src: int, tag: int, timeout: float | None, what
         comm._mark_broken(f"{what}: refused a message of {total} bytes")
         raise PayloadTooLargeError(f"{what}: the message announces {total} bytes, over max_bytes={comm.max_bytes}",
                                    op="recv", ranks=[src])
+    check_receivable(comm, total + 8 * n, src, "recv")  # (no max_bytes: at most this machine's memory)
     sizes = [total]
     if n > 1:
         table = torch.empty(8 * n, dtype=torch.uint8)
@@ -145,6 +148,7 @@ def _receive(comm: Communicator, src: int, tag: int, timeout: float | None, what
 
 
 def decode(comm: Communicator, views: list[memoryview], what: str, src: int) -> Any:
+    token = CUDA_TARGET.set(comm._cuda_target)  # CUDA tensors rebuilt where the collectives put them
     try:
         return comm.serializer.loads(views)
     except CollectiveError as e:
@@ -154,6 +158,8 @@ def decode(comm: Communicator, views: list[memoryview], what: str, src: int) -> 
     except Exception as e:
         raise SerializationError(f"{what}: can't load the object: {type(e).__name__}: {e}", op="recv",
                                  ranks=[src]) from e
+    finally:
+        CUDA_TARGET.reset(token)
 
 
 def parse(comm: Communicator, parts: list[memoryview], what: str, src: int) -> Any:

@@ -102,3 +102,21 @@ def test_bytes_counted_as_the_gather_and_broadcast_move_them() -> None:
     assert rows[0][0][1] == (WORLD - 1) * n
     # reduce_dict onto rank 0: the gather alone
     assert rows[0][1] == (0, (WORLD - 1) * n) and all(r[1] == (n, 0) for r in rows[1:])
+
+
+def test_which_reductions_go_through_the_root() -> None:
+    """Beyond 4 ranks and up to 32, small CPU values; half precision stays in the ring, where each
+    addition rounds to half precision as it does today."""
+    from types import SimpleNamespace
+
+    from distcomm._gathered_reduce import takes_gathered
+
+    def takes(world: int, t: torch.Tensor) -> bool:
+        return takes_gathered(SimpleNamespace(_world=world), t)  # type: ignore[arg-type]
+
+    small = torch.ones(8, dtype=torch.float64)
+    assert takes(5, small) and takes(32, small) and not takes(4, small) and not takes(33, small)
+    assert not takes(8, torch.ones(GATHERED_REDUCE_BYTES // 8 + 1, dtype=torch.float64))
+    assert not takes(8, torch.ones(8, 2)[:, 0])  # not contiguous
+    assert not takes(8, torch.ones(8, dtype=torch.float16)) and not takes(8, torch.ones(8, dtype=torch.bfloat16))
+    assert takes(8, torch.ones(8, dtype=torch.int8)) and takes(8, torch.ones(8, dtype=torch.bool))

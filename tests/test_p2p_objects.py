@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 import distcomm
 from distcomm.testing import FakeCommunicator, run_threaded, spawn
@@ -108,6 +109,38 @@ def test_max_bytes_on_the_sender_and_the_receiver() -> None:
     assert big.recv(1).shape == (10_000,)
     with pytest.raises(distcomm.PayloadTooLargeError, match="over max_bytes"):
         small.recv(1)
+
+
+def _forged_size(comm: distcomm.Communicator) -> str:
+    from distcomm import _messages
+
+    if comm.rank == 0:  # a peer announcing 2**62 bytes, one segment: no max_bytes set
+        head = _messages._HEAD.pack(_messages._MAGIC, _messages._VERSION, 1, 1 << 62)
+        comm._send_message(1, 0, [torch.frombuffer(bytearray(head), dtype=torch.uint8)], 30)
+        return "sent"
+    with pytest.raises(distcomm.PayloadTooLargeError, match="more than this machine's memory"):
+        comm.recv(0)
+    return "refused"
+
+
+def test_a_receiver_without_max_bytes_refuses_a_size_over_its_memory_before_allocating() -> None:
+    assert run_threaded(_forged_size, 2, timeout=60) == ["sent", "refused"]
+
+
+def _a_tag_per_step(comm: distcomm.Communicator) -> int:
+    for step in range(200):
+        if comm.rank == 0:
+            comm.send(step, 1, tag=step)
+        else:
+            assert comm.recv(0, tag=step) == step
+    return comm._queues.lanes()
+
+
+def test_idle_lanes_are_let_go() -> None:
+    """A tag per step doesn't keep a lane (a queue) per step."""
+    from distcomm._handles import LANES_KEPT
+
+    assert max(run_threaded(_a_tag_per_step, 2, timeout=60)) <= LANES_KEPT + 1
 
 
 def test_safe_serializer_refuses_what_it_does_not_allow() -> None:
