@@ -893,7 +893,8 @@ def _exclusive(method: Callable[..., Any]) -> Callable[..., Any]:
     def run(self: Communicator, *args: Any, async_op: bool = False, **kwargs: Any) -> Any:
         if async_op is not False:
             return start_collective(self, method.__name__, args, kwargs, async_op, _user_site())
-        queued_at = self._queues.turn()  # on the worker: where the user started the call
+        # on the worker: where the user started the call; elsewhere, after the queued calls
+        queued_at = None if self._queues.collectives is None else self._queues.turn()
         if not self._busy.acquire(False):
             name = type(self).__name__
             if self._busy_thread == threading.get_ident():
@@ -909,8 +910,13 @@ def _exclusive(method: Callable[..., Any]) -> Callable[..., Any]:
             self._misused = self._misused or f"rank {self.rank} was used from two threads at once ({method.__name__})"
             raise CommunicatorStateError(why)
         self._busy_thread = threading.get_ident()
-        # the user's call site, for other ranks' error messages
-        self._site = queued_at or _user_site()
+        # the user's call site, for other ranks' error messages (``_user_site``, inlined: the hot path)
+        if queued_at is None:
+            f: Any = sys._getframe(1)
+            while f is not None and f.f_code.co_filename.startswith(_PACKAGE_DIR):
+                f = f.f_back
+            queued_at = ("?", 0) if f is None else (f.f_code.co_filename, f.f_lineno)
+        self._site = queued_at
         entry = self._seq
         try:
             if profiling():  # a span in torch.profiler's trace
