@@ -19,7 +19,8 @@ from ._errors import CollectiveError, CollectiveMismatchError, PayloadTooLargeEr
 if TYPE_CHECKING:
     from ._communicator import Communicator
 
-__all__ = ["agree", "check_settings", "digest_of", "odd_ones", "spans", "states_table", "where"]
+__all__ = ["AGREEMENT_PIECES", "agree", "agreed_by_sums", "agreement_vector", "check_settings", "digest_of", "odd_ones",
+           "spans", "states_table", "where"]
 
 def agree(comm: Communicator, op: Op, seq: int, root: int, heads: Any, slots: _frame.Slots, message: str,
            timeout: float | None, cap: int | None) -> None:
@@ -147,3 +148,35 @@ def check_settings(everyone: list[dict[str, Any]]) -> None:
 def digest_of(value: Any) -> int:
     """An 8-byte digest of ``repr(value)``, compared across ranks in the first exchange."""
     return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little")
+
+
+# ---------------------------------------------------------------- agreement in a fixed-size reduction
+# On a transport whose reductions are cheap and whose object exchange is not (NCCL, where the slots
+# cross machines over gloo's TCP), every collective starts with one sum of a fixed-size vector: each
+# rank's "ok" and three 20-bit pieces of a digest of its call (op, call number, root, digest), each
+# with its square. The sums tell every rank the same thing: whether all ranks are fine and called
+# the same thing. Agreement-only calls (a barrier, a reduction's keys and shapes) then need nothing
+# else; on any disagreement every rank goes on to the slots' exchange, which names who differs.
+AGREEMENT_PIECES = 3
+_PIECE_BITS = 20
+
+
+def agreement_vector(op: int, seq: int, root: int, digest: int, ok: bool, words: bytes = b"") -> list[int]:
+    """This rank's contribution: [ok, x1, x1², x2, x2², x3, x3²] for the pieces x of a digest of
+    the call and of the 8 bytes a call may let differ (``words``: alike too, when the sums agree)."""
+    key = struct.pack("<iqiQ", op, seq, root, digest) + words
+    h = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
+    out = [int(ok)]
+    for i in range(AGREEMENT_PIECES):
+        x = (h >> (i * _PIECE_BITS)) & ((1 << _PIECE_BITS) - 1)
+        out += [x, x * x]
+    return out
+
+
+def agreed_by_sums(sums: list[int], world: int) -> bool:
+    """Whether every rank's vector was fine and alike, from the sums: for integers x,
+    n·Σx² - (Σx)² = Σ over pairs of (x_i - x_j)², zero exactly when all are equal (no overflow:
+    each square is below 2^40, so the sums stay exact in int64 up to 2^23 ranks)."""
+    if sums[0] != world:
+        return False
+    return all(world * sums[2 + 2 * i] == sums[1 + 2 * i] ** 2 for i in range(AGREEMENT_PIECES))

@@ -397,7 +397,8 @@ class Communicator(abc.ABC):
         if self._returns_at_once():
             return
         self._run(CallSpec(Op.BARRIER, -1, None, t, serialize=False))
-        self._device_barrier(t)
+        if not self._agrees_by_reduction:  # (else the agreement's sum, on the device and read back, was one)
+            self._device_barrier(t)
 
     def barrier(self, timeout: float | datetime.timedelta | None = None, *,
                 async_op: bool = False) -> Handle[None] | None:
@@ -783,6 +784,18 @@ class Communicator(abc.ABC):
         """Copy the root's ``buf`` into every rank's (every rank's is the same size). Here a binary
         tree of point-to-point messages; transports with a native broadcast use it instead."""
         tree_send(self, [buf], root, timeout)
+
+    _agrees_by_reduction = False
+    """Whether every collective starts with ``_agreement_sums`` (see ``_agreement``): for transports
+    whose reductions are cheap beside their slots' exchange (NCCL, whose slots cross machines over
+    gloo). Agreement-only calls then make no exchange when every rank agrees."""
+
+    def _agreement_sums(self, vector: list[int], timeout: float | None) -> list[int]:
+        """The elementwise sum over ranks of ``vector`` (the same length on every rank), exactly."""
+        work = torch.tensor(vector, dtype=torch.int64, device=self.device)
+        self._count(*self._reduce_traffic(work, None))
+        self._tensor_reduce(work, None, "sum", timeout)
+        return [int(x) for x in work.tolist()]
 
     def _device_barrier(self, timeout: float | None) -> None:  # noqa: B027 - optional hook
         """Wait for the device streams too (NCCL); nothing on CPU transports."""

@@ -699,6 +699,7 @@ class NcclCommunicator(_TorchCommunicator):
 
     _uneven_allgather = True
     _sliced_waits = False
+    _agrees_by_reduction = True  # one NCCL all_reduce of 7 int64, not gloo's exchange, on the common path
 
     def _device_problem(self, tensor: torch.Tensor) -> str | None:
         if tensor.device != self._device:

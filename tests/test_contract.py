@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -36,6 +38,18 @@ def test_gloo(world_size: int) -> None:
     tree broadcast, scatter slots)."""
     results = spawn(exercise, world_size, timeout=180)
     for r, result in enumerate(results):
+        check(result, local=(r, world_size))
+
+
+def _exercise_agreeing_by_reduction(comm: distcomm.Communicator) -> dict[str, Any]:
+    comm._agrees_by_reduction = True  # type: ignore[misc]  # NcclCommunicator's way (docs/at-scale.md)
+    return exercise(comm)
+
+
+@pytest.mark.parametrize("world_size", [3, pytest.param(6, marks=pytest.mark.slow)])
+def test_gloo_agreeing_by_reduction(world_size: int) -> None:
+    """Every collective starts with a sum of a fixed-size vector; agreement-only calls stop there."""
+    for r, result in enumerate(spawn(_exercise_agreeing_by_reduction, world_size, timeout=180)):
         check(result, local=(r, world_size))
 
 

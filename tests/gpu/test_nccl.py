@@ -84,3 +84,34 @@ def test_module_helpers_over_an_nccl_group_use_an_nccl_communicator() -> None:
     for r, (got, kind, device) in enumerate(spawn(helper_over_an_nccl_group, n, backend="nccl", timeout=300)):
         assert got == [{"r": i} for i in range(n)]
         assert kind == "NcclCommunicator" and device == f"cuda:{r}"
+
+
+def per_step_on_the_device(comm: distcomm.Communicator) -> dict[str, Any]:
+    """The per-step calls agree in one NCCL all_reduce, with no exchange over the gloo side group;
+    a mismatch still raises the same error on every rank (through that exchange)."""
+    exchanges = [0]
+    inner = comm._exchange_slots
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        exchanges[0] += 1
+        return inner(*args, **kwargs)
+
+    comm._exchange_slots = counted  # type: ignore[method-assign]
+    dev = comm.device
+    comm.synchronize()
+    comm.all_reduce_dict({"loss": torch.tensor(1.0, device=dev)})
+    comm.all_reduce(torch.ones(4, device=dev))
+    out: dict[str, Any] = {"exchanges": exchanges[0]}
+    try:
+        comm.all_reduce_dict({f"k{comm.rank}": torch.tensor(1.0, device=dev)})
+        out["mismatch"] = "no error" if comm.world_size > 1 else "one rank"
+    except distcomm.CollectiveMismatchError as e:
+        out["mismatch"] = str(e)
+    return out
+
+
+def test_nccl_per_step_calls_agree_on_the_device() -> None:
+    results = spawn(per_step_on_the_device, world(), backend="nccl", timeout=300)
+    for out in results:
+        assert out["exchanges"] == 0
+        assert out["mismatch"] == results[0]["mismatch"] != "no error"
