@@ -80,10 +80,15 @@ def peers(op: str, rank: int, obj: Any) -> Any:
     if op == "all_to_all":
         return [f"{rank}->{d}" for d in range(len(obj))]
     if op == "split":
-        _, _, members = obj
+        _, key, members = obj
         if members is not None:
             return (0 if rank in members else None, rank, members)
-        return (rank % 2, rank, None)
+        return (0, -(rank + 1), None) if key < 0 else (rank % 2, rank, None)  # (exercise_reach's reversed split)
+    if op == "gather_in_order":  # what rank r of an interleaving sampler over 2 * world items holds
+        n = obj[1][1] - obj[0][1]
+        return [("item", rank), ("item", rank + n)]
+    if op == "recv":
+        return {"small": rank}
     if isinstance(obj, dict) and "step" in obj:
         return payload(rank, obj["step"])
     if isinstance(obj, dict) and "loss" in obj:
@@ -153,6 +158,32 @@ def exercise_trainer(comm: distcomm.Communicator) -> dict[str, Any]:
     members = sorted({0, n - 1})
     group = comm.new_group(members)
     out["new_group"] = None if group is None else (group.rank, group.world_size, group.all_gather({"small": r}))
+    sub.close()
+    if group is not None:
+        group.close()
+    out.update(exercise_reach(comm))
+    return out
+
+
+def exercise_reach(comm: distcomm.Communicator) -> dict[str, Any]:
+    """What users reach for next: a split in reverse key order, dup, a non-blocking call, results
+    back in dataset order, and messages around a ring."""
+    r, n = comm.rank, comm.world_size
+    out: dict[str, Any] = {}
+    rev = comm.split(0, key=-(r + 1))  # the last rank first
+    assert rev is not None
+    out["split_reversed"] = (rev.rank, rev.all_gather({"small": r}))
+    twin = comm.dup()
+    out["dup"] = (twin.rank, twin.world_size, twin.all_gather({"small": r}))
+    handle = comm.all_gather({"small": r}, async_op=True)  # type: ignore[call-arg]
+    out["async"] = (type(handle).__name__, handle.wait())
+    mine = [("item", i) for i in range(r, 2 * n, n)]  # a sampler that interleaves: r, r + n
+    out["in_order"] = comm.gather_in_order(mine, size=2 * n, sharding="interleaved")
+    out["ring"] = None
+    if n > 1:
+        sent = comm.isend({"small": r}, (r + 1) % n, tag=5)
+        out["ring"] = comm.recv((r - 1) % n, tag=5)
+        sent.wait()
     return out
 
 
@@ -237,6 +268,11 @@ def expected_trainer(r: int, n: int) -> dict[str, Any]:
         "o_all_to_all": [f"{s}->{r}" for s in range(n)],
         "split": (same.index(r), len(same), [{"small": s} for s in same]),
         "new_group": (members.index(r), len(members), [{"small": s} for s in members]) if r in members else None,
+        "split_reversed": (n - 1 - r, [{"small": s} for s in reversed(range(n))]),
+        "dup": (r, n, [{"small": s} for s in range(n)]),
+        "async": ("Handle", [{"small": s} for s in range(n)]),
+        "in_order": [("item", i) for i in range(2 * n)] if r == 0 else None,
+        "ring": {"small": (r - 1) % n} if n > 1 else None,
     }
 
 
