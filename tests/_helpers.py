@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import distcomm
 from distcomm import _frame
@@ -73,3 +74,16 @@ def two_levels_from_five_ranks() -> Iterator[None]:
         yield
     finally:
         _header_exchange.FLAT_WORLD = flat
+
+
+def count_exchanges(comm: distcomm.Communicator) -> list[int]:
+    """From now on, count the slots' exchanges ``comm`` makes (in the returned list's one item)."""
+    exchanges = [0]
+    inner = comm._exchange_slots
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        exchanges[0] += 1
+        return inner(*args, **kwargs)
+
+    comm._exchange_slots = counted  # type: ignore[method-assign]
+    return exchanges

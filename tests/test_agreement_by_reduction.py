@@ -13,6 +13,7 @@ import torch
 import distcomm
 from distcomm._agreement import agreed_by_sums, agreement_vector
 from distcomm.testing import spawn
+from tests._helpers import count_exchanges
 
 
 def _sums(vectors: list[list[int]]) -> list[int]:
@@ -32,15 +33,7 @@ def test_the_sums_tell_agreement_exactly() -> None:
 def _counting(comm: distcomm.Communicator) -> list[int]:
     """Turn the path on; count the slots' exchanges from now on."""
     comm._agrees_by_reduction = True  # type: ignore[misc]
-    exchanges = [0]
-    inner = comm._exchange_slots
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        exchanges[0] += 1
-        return inner(*args, **kwargs)
-
-    comm._exchange_slots = counted  # type: ignore[method-assign]
-    return exchanges
+    return count_exchanges(comm)
 
 
 def _per_step(comm: distcomm.Communicator) -> dict[str, Any]:

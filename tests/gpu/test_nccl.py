@@ -13,6 +13,7 @@ import torch
 
 import distcomm
 from distcomm.testing import spawn
+from tests._helpers import count_exchanges
 from tests.contract import check, exercise
 
 pytestmark = [
@@ -89,14 +90,7 @@ def test_module_helpers_over_an_nccl_group_use_an_nccl_communicator() -> None:
 def per_step_on_the_device(comm: distcomm.Communicator) -> dict[str, Any]:
     """The per-step calls agree in one NCCL all_reduce, with no exchange over the gloo side group;
     a mismatch still raises the same error on every rank (through that exchange)."""
-    exchanges = [0]
-    inner = comm._exchange_slots
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        exchanges[0] += 1
-        return inner(*args, **kwargs)
-
-    comm._exchange_slots = counted  # type: ignore[method-assign]
+    exchanges = count_exchanges(comm)
     dev = comm.device
     comm.synchronize()
     comm.all_reduce_dict({"loss": torch.tensor(1.0, device=dev)})
