@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import abc
 import datetime
-import functools
 import operator
 import os
-import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, ParamSpec, TypeVar, cast
@@ -35,9 +33,10 @@ from ._all_to_all import all_to_all, all_to_all_problem
 from ._calls import CallSpec, Op, OpStats
 from ._errors import CollectiveError, CommunicatorStateError
 from ._groups import dup, regroup_machines, split, sub_settings
-from ._handles import Handle, Queues, refuse_close, start_collective
+from ._handles import Handle, Queues, refuse_close
 from ._memory import seconds
 from ._messages import irecv, isend
+from ._one_at_a_time import COLLECTIVES, exclusive, user_site
 from ._ops import object_op, tensor_op
 from ._ordering import gather_in_order
 from ._pipeline import run
@@ -51,7 +50,6 @@ from ._tensors import (
     reduce_scatter_by_gathering,
     run_tensor_op,
 )
-from ._tracing import profiling, traced
 
 __all__ = ["COLLECTIVES", "DEFAULT_TIMEOUT", "Communicator"]
 
@@ -169,7 +167,7 @@ class Communicator(abc.ABC):
         self._pid = os.getpid()
         self._closed = False
         self._broken: str | None = None
-        self._misused: str | None = None  # why every later collective fails on every rank (see _exclusive)
+        self._misused: str | None = None  # why every later collective fails on every rank (see _one_at_a_time)
         self._stats: dict[str, OpStats] = {}
         self._cur = OpStats()  # the counters of the collective in progress
         self._op_label = "setup"  # its name, for errors the transport raises
@@ -522,22 +520,22 @@ class Communicator(abc.ABC):
     def send(self, obj: Any, dst: int, *, tag: int = 0, timeout: float | datetime.timedelta | None = None) -> None:
         """Send ``obj`` to rank ``dst``, which receives it with ``recv(src, tag=tag)``; may wait until
         ``dst`` takes it. ``tag``: an int in [0, 2**30). Large buffers travel out of band."""
-        isend(self, obj, dst, tag, timeout, _user_site()).wait()
+        isend(self, obj, dst, tag, timeout, user_site()).wait()
 
     def recv(self, src: int, *, tag: int = 0, timeout: float | datetime.timedelta | None = None) -> Any:
         """The next object rank ``src`` sends this rank with ``tag``. Refuses a message over
         ``max_bytes`` before allocating it."""
-        return irecv(self, src, tag, timeout, _user_site()).wait()
+        return irecv(self, src, tag, timeout, user_site()).wait()
 
     def isend(self, obj: Any, dst: int, *, tag: int = 0,
               timeout: float | datetime.timedelta | None = None) -> Handle[None]:
         """``send`` without waiting: a Handle (``obj`` is read when the message goes: keep it as it is
         until ``wait()`` returns)."""
-        return isend(self, obj, dst, tag, timeout, _user_site())
+        return isend(self, obj, dst, tag, timeout, user_site())
 
     def irecv(self, src: int, *, tag: int = 0, timeout: float | datetime.timedelta | None = None) -> Handle[Any]:
         """``recv`` without waiting: a Handle whose ``wait()`` returns the object."""
-        return irecv(self, src, tag, timeout, _user_site())
+        return irecv(self, src, tag, timeout, user_site())
 
     # ------------------------------------------------------------------ dict and object reductions
     def reduce_dict(
@@ -875,80 +873,5 @@ def _group_members(ranks: Sequence[int], world: int) -> list[int]:
     return sorted(members)
 
 
-# ---------------------------------------------------------------- one collective at a time
-COLLECTIVES = ("synchronize", "all_gather", "gather", "broadcast", "scatter", "shared_random_seed", "reduce_dict",
-               "all_reduce_dict", "all_reduce", "reduce", "broadcast_tensor", "all_gather_tensor",
-               "reduce_scatter_tensor", "reduce_object", "all_reduce_object", "scan", "exscan", "all_to_all",
-               "split", "new_group", "create_local_groups", "dup", "gather_in_order")
-"""The public collectives: each holds the communicator while it runs (see ``_exclusive``)."""
-
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-
-
-def _user_site() -> tuple[str, int]:
-    """The user's call site: the first frame outside distcomm."""
-    f: Any = sys._getframe(1)
-    while f is not None and f.f_code.co_filename.startswith(_PACKAGE_DIR):
-        f = f.f_back
-    return ("?", 0) if f is None else (f.f_code.co_filename, f.f_lineno)
-
-
-def _exclusive(method: Callable[..., Any]) -> Callable[..., Any]:
-    """Refuse a second collective on a communicator while one runs: from another thread (the two
-    would interleave their messages), or from the same thread (an object's ``__setstate__`` calling
-    a collective while a result loads).
-
-    Also the one place ``async_op=True`` is taken: the call is queued on the communicator's worker
-    and a ``Handle`` returned (``_handles``); the worker runs it through this same wrapper. A
-    blocking call made while calls are queued waits for them first."""
-
-    @functools.wraps(method)
-    def run(self: Communicator, *args: Any, async_op: bool = False, **kwargs: Any) -> Any:
-        if async_op is not False:
-            return start_collective(self, method.__name__, args, kwargs, async_op, _user_site())
-        # on the worker: where the user started the call; elsewhere, after the queued calls
-        queued_at = None if self._queues.collectives is None else self._queues.turn()
-        if not self._busy.acquire(False):
-            name = type(self).__name__
-            if self._busy_thread == threading.get_ident():
-                raise CommunicatorStateError(
-                    f"{method.__name__} was called on a {name} while another of its collectives runs in the same "
-                    f"thread (for example from an object's __setstate__ while a result loads); call it after "
-                    f"that collective returns")
-            why = (f"{method.__name__} was called on a {name} from two threads at once; a communicator serves one "
-                   f"thread at a time (their messages would interleave): give each thread its own communicator "
-                   f"(comm.dup(), comm.split or comm.new_group), or hold a lock around the calls")
-            # Each rank may refuse a different thread, and the threads left would then pair up wrongly:
-            # from now on this rank fails every collective, and its peers learn it in that call's exchange.
-            self._misused = self._misused or f"rank {self.rank} was used from two threads at once ({method.__name__})"
-            raise CommunicatorStateError(why)
-        self._busy_thread = threading.get_ident()
-        # the user's call site, for other ranks' error messages (``_user_site``, inlined: the hot path)
-        if queued_at is None:
-            f: Any = sys._getframe(1)
-            while f is not None and f.f_code.co_filename.startswith(_PACKAGE_DIR):
-                f = f.f_back
-            queued_at = ("?", 0) if f is None else (f.f_code.co_filename, f.f_lineno)
-        self._site = queued_at
-        entry = self._seq
-        try:
-            if profiling():  # a span in torch.profiler's trace
-                out = traced(self, method.__name__, lambda: method(self, *args, **kwargs))
-            else:
-                out = method(self, *args, **kwargs)
-            self._done, self._raised = (self._op_label, self._seq, self._site), None
-            return out
-        except BaseException as e:
-            reached = self._seq != entry  # or it failed before its first exchange (bad input)
-            self._raised = (self._op_label if reached else method.__name__, self._seq if reached else None,
-                            self._site, type(e).__name__)
-            raise
-        finally:
-            self._busy_thread = 0
-            self._busy.release()
-
-    return run
-
-
 for _name in COLLECTIVES:
-    setattr(Communicator, _name, _exclusive(getattr(Communicator, _name)))
+    setattr(Communicator, _name, exclusive(getattr(Communicator, _name)))

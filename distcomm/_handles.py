@@ -5,7 +5,7 @@ a time, in the order they were started: every rank runs the same calls in the sa
 mismatch, a timeout or a lost peer raises the same error on every rank, from ``Handle.wait()``. A
 blocking collective called while some are queued waits its turn (``Queues.turn``). The worker is
 the only thread that runs collectives while work is queued, and it goes through the same
-``_exclusive`` check as any caller, so a second user thread is still refused as before.
+``_one_at_a_time.exclusive`` check as any caller, so a second user thread is still refused as before.
 
 Point-to-point messages run on lanes, one per (direction, peer, tag), each a queue of its own: the
 messages between a pair on a tag stay in order, and a receive never holds up a collective.

@@ -114,7 +114,7 @@ def _run(comm: Communicator, spec: CallSpec) -> list[Any]:
 
 def _serialize(comm: Communicator, route: Route, spec: CallSpec) -> tuple[list[list[memoryview]], int, str]:
     """This rank's parts, or the status and message of why it can't take part."""
-    if comm._misused is not None:  # reported to every rank, at every call (see _exclusive)
+    if comm._misused is not None:  # reported to every rank, at every call (see _one_at_a_time)
         return [], _frame.INVALID, f"{comm._misused}; this communicator fails every later collective"
     if spec.problem is not None:
         return [], spec.status, spec.problem

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from . import _frame
 from ._agreement import check_settings
 from ._calls import CallSpec, Op
-from ._communicator import DEFAULT_SLOT_BYTES, DEFAULT_TIMEOUT, Communicator, _exclusive
+from ._communicator import DEFAULT_SLOT_BYTES, DEFAULT_TIMEOUT, Communicator
 from ._defaults import clear_default, set_default
 from ._errors import (
     CommunicatorStateError,
@@ -34,6 +34,7 @@ from ._header_exchange import (
 )
 from ._memory import seconds as _seconds
 from ._messages import torch_recv, torch_send
+from ._one_at_a_time import exclusive
 from ._serialization import Serializer
 from ._waits import SLICE, fail, interrupted, process_id, timedelta_of, wait
 
@@ -157,7 +158,7 @@ class _TorchCommunicator(Communicator):
         self._machine_key = _machine_key(machine)
         self._seq = -1  # set-up is call #0: the user's calls count from 1, as in the test doubles
         try:  # as a collective: other ranks' error messages then say this rank is in set-up, and where
-            _exclusive(type(self)._setup)(self, self._machine_key)
+            exclusive(type(self)._setup)(self, self._machine_key)
         except BaseException:
             self._shutdown()
             raise

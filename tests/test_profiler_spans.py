@@ -40,16 +40,16 @@ def test_spans_on_the_doubles() -> None:
 
 
 def test_no_span_without_a_profiler() -> None:
-    from distcomm import _communicator, _tracing
+    from distcomm import _one_at_a_time, _tracing
 
     seen: list[Any] = []
-    original = _communicator.traced
-    _communicator.traced = lambda *a: seen.append(a)  # type: ignore[assignment]
+    original = _one_at_a_time.traced
+    _one_at_a_time.traced = lambda *a: seen.append(a)  # type: ignore[assignment]
     try:
         comm = distcomm.LocalCommunicator()
         comm.all_gather(1)
         with profile(activities=[ProfilerActivity.CPU]):
             comm.all_gather(2)
     finally:
-        _communicator.traced = original
+        _one_at_a_time.traced = original
     assert len(seen) == 1 and not _tracing.profiling()  # only the call under the profiler was traced
