@@ -19,7 +19,7 @@ import datetime
 import struct
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -46,6 +46,8 @@ if TYPE_CHECKING:
 
 __all__ = ["GLOO_TAG_BASE", "TAGS", "decode", "encode", "isend", "irecv", "torch_recv", "torch_send"]
 
+_R = TypeVar("_R")
+
 TAGS = 1 << 30
 """Tags are ints in [0, TAGS)."""
 GLOO_TAG_BASE = 1 << 30
@@ -70,32 +72,33 @@ def _check(comm: Communicator, name: str, peer: int, tag: int) -> None:
 
 def isend(comm: Communicator, obj: Any, dst: int, tag: int, timeout: float | datetime.timedelta | None,
           site: tuple[str, int]) -> Handle[None]:
-    _check(comm, "dst", dst, tag)
-    dst, tag = int(dst), int(tag)
-    comm._check_usable()
-    t = comm._op_timeout(timeout)
-    what = f"send to rank {dst} (tag {tag})"
+    def move(peer: int, tag: int, t: float | None, what: str) -> None:
+        comm._send_message(peer, tag, [byte_tensor(p) for p in encode(comm, obj, what)], t)
 
-    def run() -> None:
-        comm._check_usable()
-        comm._send_message(dst, tag, [byte_tensor(p) for p in encode(comm, obj, what)], t)
-
-    return comm._queues.submit_to_lane(("send", dst, tag), Handle(what, site), as_caller(run))
+    return _start(comm, "send", dst, tag, timeout, site, move)
 
 
 def irecv(comm: Communicator, src: int, tag: int, timeout: float | datetime.timedelta | None,
           site: tuple[str, int]) -> Handle[Any]:
-    _check(comm, "src", src, tag)
-    src, tag = int(src), int(tag)
+    return _start(comm, "recv", src, tag, timeout, site, lambda peer, tag, t, what: _receive(comm, peer, tag, t, what))
+
+
+def _start(comm: Communicator, direction: str, peer: int, tag: int, timeout: float | datetime.timedelta | None,
+           site: tuple[str, int], move: Callable[[int, int, float | None, str], _R]) -> Handle[_R]:
+    """Check the arguments now, then queue ``move(peer, tag, timeout, what)`` on the lane of
+    (``direction``, peer, tag): messages between a pair on a tag stay in order."""
+    sending = direction == "send"
+    _check(comm, "dst" if sending else "src", peer, tag)
+    peer, tag = int(peer), int(tag)
     comm._check_usable()
     t = comm._op_timeout(timeout)
-    what = f"recv from rank {src} (tag {tag})"
+    what = f"{direction} {'to' if sending else 'from'} rank {peer} (tag {tag})"
 
-    def run() -> Any:
+    def run() -> _R:
         comm._check_usable()
-        return _receive(comm, src, tag, t, what)
+        return move(peer, tag, t, what)
 
-    return comm._queues.submit_to_lane(("recv", src, tag), Handle(what, site), as_caller(run))
+    return comm._queues.submit_to_lane((direction, peer, tag), Handle(what, site), as_caller(run))
 
 
 def encode(comm: Communicator, obj: Any, what: str) -> list[memoryview]:
