@@ -1,6 +1,6 @@
 """distcomm: one communicator object for everything a training job's processes say to each other.
 
-    comm = distcomm.GlooCommunicator.from_env()        # or LocalCommunicator(), or launch()
+    comm = distcomm.from_env()        # whatever started the process: python, torchrun, srun, mpirun
     with comm, distcomm.use(comm):
         results = comm.gather(my_predictions)           # or distcomm.gather(...) via use()
 
@@ -61,7 +61,7 @@ from ._errors import (
     UnsafePayloadError,
 )
 from ._handles import Handle
-from ._launch import free_port, launch
+from ._launch import free_port, from_env, launch
 from ._local import LocalCommunicator
 from ._serialization import PickleSerializer, SafeSerializer, Serializer
 from ._torch import GlooCommunicator, NcclCommunicator
@@ -120,6 +120,7 @@ __all__ = [
     "current",
     "exscan",
     "free_port",
+    "from_env",
     "gather",
     "gather_in_order",
     "get_local_process_group",

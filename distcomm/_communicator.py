@@ -178,6 +178,7 @@ class Communicator(abc.ABC):
         # whether launch() or create_local_groups() said which ranks share a machine (the reference's
         # _LOCAL_PROCESS_GROUP exists only then)
         self._machines_declared = False
+        self._launcher: str | None = None  # what started this process, where the communicator read it (from_env)
         self._busy = threading.Lock()  # held while a collective runs: one at a time, from one thread
         self._busy_thread = 0
         # where the user called the collective in progress (file, line), and the last one that returned
@@ -206,6 +207,14 @@ class Communicator(abc.ABC):
     def local_size(self) -> int:
         """Number of ranks on this process's machine."""
         return self._local[1]
+
+    @property
+    def launcher(self) -> str | None:
+        """What started this process, as ``from_env`` or ``launch`` found it: "torchrun", "slurm",
+        "openmpi", "mpich", "mvapich", "env" (RANK / WORLD_SIZE set by hand or a job controller),
+        "launch" (distcomm.launch started it) or "python" (none: a world of one); None where the
+        communicator adopted a group or was made directly."""
+        return self._launcher
 
     @property
     def group(self) -> Any:
@@ -268,7 +277,8 @@ class Communicator(abc.ABC):
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("broken" if self._broken else "open")
-        return f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size}, {state})"
+        launcher = f", launcher={self._launcher}" if self._launcher else ""
+        return f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size}, {state}{launcher})"
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from ._communicator import Communicator
 from ._defaults import get_default
 from ._errors import CommunicatorStateError
+from ._launchers import detect
 from ._local import LocalCommunicator
 from ._torch import GlooCommunicator, NcclCommunicator
 
@@ -55,6 +56,13 @@ def current() -> Communicator:
     launch(), from_env() or spawn() made), else a communicator over torch.distributed's default
     group when it is initialized (created on first use, which is collective: every rank must get
     there, from its main thread), else a LocalCommunicator.
+
+    Raises:
+        CommunicatorStateError: none is set up, and a launcher started this process as one of
+            several (torchrun, srun, mpirun): a world of one would silently compute alone. Setting
+            one up is left to the script (``distcomm.from_env()``): it connects to a rendezvous and
+            picks a backend and a timeout, which a getter shouldn't do behind the user's back, and a
+            rank that never called a helper would leave the others waiting for the timeout.
     """
     comm = active()
     if comm is not None:
@@ -76,4 +84,11 @@ def current() -> Communicator:
         implicit: Communicator = GlooCommunicator() if "gloo" in backend else NcclCommunicator()
         _implicit.append((default, implicit))
         return implicit
+    env = detect()
+    if env.world_size > 1:
+        raise CommunicatorStateError(
+            f"no distcomm communicator is set up, and {env.launcher} started this process as rank {env.rank} "
+            f"of {env.world_size}: alone, it would compute as a world of one. Set one up once at the start "
+            f"of the script: `comm = distcomm.from_env()` (then `with comm:` or `comm.close()` at the end), "
+            f"or run the work under `distcomm.launch(main, N)`")
     return LocalCommunicator()

@@ -10,7 +10,6 @@ import os
 import pickle
 import shutil
 import signal
-import socket
 import sys
 import sysconfig
 import tempfile
@@ -27,12 +26,14 @@ from ._communicator import DEFAULT_TIMEOUT
 from ._context import use
 from ._defaults import clear_default, set_default
 from ._errors import DistCommError, RankFailedError
+from ._launchers import LaunchEnv, detect
 from ._local import LocalCommunicator
 from ._memory import seconds as _seconds
 from ._serialization import dumps_code
-from ._torch import GlooCommunicator, NcclCommunicator, start_world
+from ._start import free_port, start_from, start_world
+from ._torch import GlooCommunicator, NcclCommunicator
 
-__all__ = ["free_port", "launch"]
+__all__ = ["free_port", "from_env", "launch"]
 
 _PR_SET_PDEATHSIG = 1
 _LONGEST = 300  # characters of an exception's message in a one-line description
@@ -40,13 +41,6 @@ _GRACE = 2.0  # seconds the other processes get to report, once one failed, befo
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _LIBRARY_DIRS = tuple(sorted({os.path.abspath(p) + os.sep for k, p in sysconfig.get_paths().items()
                               if k in ("stdlib", "platstdlib", "purelib", "platlib")}))
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (bind to 0, read it back)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _die_with(parent: int) -> None:
@@ -137,7 +131,7 @@ def _worker(
         main_func, args = cloudpickle.loads(payload)
         cls = NcclCommunicator if backend == "nccl" else GlooCommunicator
         comm = start_world(cls, url, machine_rank * per_machine + local_rank, per_machine * num_machines,
-                           local_rank, timeout=timeout, machine=machine_rank)
+                           local_rank, timeout=timeout, machine=machine_rank, launcher="launch")
         with comm, use(comm):
             try:
                 main_func(*args)
@@ -260,8 +254,17 @@ def launch(
             (detectron2's is 30 minutes).
         backend: "gloo" or "nccl"; default nccl when CUDA is available, else gloo.
 
+    Under a launcher (torchrun, srun, mpirun; see ``from_env``) the launcher's world wins. If it
+    started ``num_processes_per_machine`` processes on this machine, ``main_func`` runs in this
+    process with the environment's communicator (its errors reach the launcher as they are). If it
+    started one process per machine (``srun --ntasks-per-node=1``), launch() starts this machine's
+    processes, with the machine count, this machine's rank and the rendezvous address from the
+    launcher (``dist_url`` is used only where ``num_machines`` > 1 says the caller computed it).
+    ``num_machines`` and ``machine_rank``, where given, must agree with the launcher.
+
     Raises:
         RankFailedError: a process raised (its rank and remote traceback are attached) or died.
+        ValueError: under a launcher, the arguments don't add up with what it started.
         RuntimeError: launch() was called while a spawned process imported the script (no
             ``if __name__ == "__main__":`` guard around the call).
     """
@@ -293,6 +296,13 @@ def launch(
         raise TypeError(f"args must be a tuple or list of main_func's arguments, got {type(args).__name__}")
     seconds = _seconds(timeout, DEFAULT_TIMEOUT)
     assert seconds is not None
+    env = detect()
+    if env.world_size > 1:  # a launcher started this process: its world wins
+        plan = _machines_under(env, num_processes_per_machine, num_machines, machine_rank, dist_url)
+        if plan is None:
+            _run_here(env, main_func, args, seconds, backend)
+            return
+        num_machines, machine_rank, dist_url = plan
     if num_machines == 1 and num_processes_per_machine == 1:
         with LocalCommunicator(timeout=seconds) as comm, use(comm):
             set_default(comm)  # helper threads see it too, as in a job of many processes
@@ -329,3 +339,81 @@ def launch(
         if context is not None:
             _end(context.processes)
         shutil.rmtree(reports, ignore_errors=True)
+
+
+def from_env(backend: str | None = None, *, timeout: float | datetime.timedelta | None = None,
+             **kwargs: Any) -> Any:
+    """The communicator of this process, set up from whatever launcher started it.
+
+    torchrun (restarts included), Slurm's srun and sbatch, Open MPI's mpirun, MPICH / Intel MPI and
+    MVAPICH are understood, and explicit RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT win; under
+    plain ``python`` it is a LocalCommunicator (a world of one), so one script runs everywhere::
+
+        with distcomm.from_env() as comm, distcomm.use(comm):
+            ...
+
+    The communicator becomes the process-wide default until it is closed; ``comm.launcher`` says
+    what started the process.
+
+    Args:
+        backend: "gloo" or "nccl"; default nccl where CUDA is available, else gloo. Given under
+            plain python, a torch.distributed world of one with that backend.
+        timeout: seconds (or a timedelta) the rendezvous and collectives wait for peers.
+        kwargs: the communicator's settings (serializer, max_bytes, ...; see ``Communicator``).
+
+    Raises:
+        ValueError: the launcher's variables contradict each other or don't parse; a bad backend.
+        CommunicatorStateError: torch.distributed is already initialized, or no rendezvous host is
+            known (mpirun across machines without MASTER_ADDR: the error says what to set).
+        CollectiveTimeoutError: ranks didn't reach the rendezvous within ``timeout``; names them.
+    """
+    env = detect()
+    if backend is None and not env.started_by_launcher:
+        seconds = _seconds(timeout, DEFAULT_TIMEOUT)
+        comm = LocalCommunicator(timeout=seconds, **kwargs)
+        comm._launcher = env.launcher
+        set_default(comm)
+        return comm
+    return start_from(_communicator_class(backend), env, timeout=timeout, **kwargs)
+
+
+def _communicator_class(backend: str | None) -> type[GlooCommunicator] | type[NcclCommunicator]:
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    return NcclCommunicator if backend == "nccl" else GlooCommunicator
+
+
+def _machines_under(env: LaunchEnv, per_machine: int, num_machines: int, machine_rank: int,
+                    dist_url: str | None) -> tuple[int, int, str] | None:
+    """How launch() fits a launcher's world: None to run here (it started this machine's processes),
+    else (machines, this machine's rank, URL) to start ``per_machine`` here (it started one)."""
+    saw = f"{env.launcher} started this process as {env.describe()}"
+    for name, given, launchers in (("num_machines", num_machines, env.num_nodes),
+                                   ("machine_rank", machine_rank, env.node_rank)):
+        if given not in (launchers, (1 if name == "num_machines" else 0)):
+            raise ValueError(f"launch(..., {name}={given}) contradicts the launcher: {saw}")
+    if env.local_size == per_machine:
+        return None
+    if env.local_size != 1:
+        raise ValueError(
+            f"launch() was asked for {per_machine} processes per machine, but {saw}: start {per_machine} "
+            f"per machine with the launcher (torchrun --nproc-per-node {per_machine}, srun --ntasks-per-node "
+            f"{per_machine}, mpirun --npernode {per_machine}), or one per machine and let launch() start them")
+    if env.launcher == "torchrun":  # its agent holds MASTER_PORT; torchrun starts processes itself
+        raise ValueError(f"launch() was asked for {per_machine} processes per machine, but {saw}: "
+                         f"run torchrun --nproc-per-node {per_machine} instead")
+    if dist_url not in (None, "auto") and num_machines > 1:
+        return env.world_size, env.rank, dist_url
+    if env.master_addr is None or env.master_port is None:
+        raise ValueError(f"launch() can't start this machine's processes: {env.address_problem}")
+    host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr
+    return env.world_size, env.rank, f"tcp://{host}:{env.master_port}"
+
+
+def _run_here(env: LaunchEnv, main_func: Callable[..., Any], args: Sequence[Any], seconds: float,
+              backend: str) -> None:
+    """``main_func`` in this process, over the communicator the launcher's variables describe."""
+    with start_from(_communicator_class(backend), env, timeout=seconds) as comm, use(comm):
+        main_func(*args)

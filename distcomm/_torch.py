@@ -17,8 +17,8 @@ import torch.distributed as dist
 from . import _frame
 from ._agreement import check_settings
 from ._calls import CallSpec, Op
-from ._communicator import DEFAULT_SLOT_BYTES, DEFAULT_TIMEOUT, Communicator
-from ._defaults import clear_default, set_default
+from ._communicator import DEFAULT_SLOT_BYTES, Communicator
+from ._defaults import clear_default
 from ._errors import (
     CommunicatorStateError,
 )
@@ -32,10 +32,11 @@ from ._header_exchange import (
     header_blocks,
     table_index,
 )
-from ._memory import seconds as _seconds
+from ._launchers import detect
 from ._messages import torch_recv, torch_send
 from ._one_at_a_time import exclusive
 from ._serialization import Serializer
+from ._start import start_from
 from ._waits import SLICE, fail, interrupted, process_id, timedelta_of, wait
 
 __all__ = ["GlooCommunicator", "NcclCommunicator"]
@@ -44,7 +45,7 @@ _SETTLE_SECONDS = 0.02
 """How long close() lets the transport's threads finish releasing the last ops."""
 
 _HOW_TO_START = (
-    "torch.distributed is not initialized. Start it with {cls}.from_env() (under torchrun), "
+    "torch.distributed is not initialized. Start it with {cls}.from_env() (under any launcher), "
     "with distcomm.launch(main, num_processes_per_machine=N), or with "
     "torch.distributed.init_process_group(...) before creating a {cls}"
 )
@@ -163,6 +164,9 @@ class _TorchCommunicator(Communicator):
             self._shutdown()
             raise
         self._done = None  # "last returned" names the user's collectives, not set-up
+
+    backend: ClassVar[str]
+    """The torch.distributed backend of the default group this class starts (``from_env``)."""
 
     # ------------------------------------------------------------------ set-up
     def _check_backend(self, backend: str) -> None:
@@ -608,25 +612,20 @@ class _TorchCommunicator(Communicator):
     # ------------------------------------------------------------------ construction from the environment
     @classmethod
     def from_env(cls, *, timeout: float | datetime.timedelta | None = None, **kwargs: Any) -> Any:
-        """Initialize torch.distributed from the torchrun variables and return a communicator.
+        """Initialize torch.distributed from what the launcher set and return a communicator.
 
-        Reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (and LOCAL_RANK for the device). The
-        communicator owns the default process group: ``close()`` destroys it.
+        Understands torchrun (and torchelastic restarts), Slurm's srun, Open MPI's mpirun, MPICH /
+        Intel MPI (Hydra) and MVAPICH; explicit RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT win.
+        Started by none of them (plain ``python``): a world of one on 127.0.0.1. The communicator
+        owns the default process group (``close()`` destroys it); ``launcher`` says what started it.
+
+        Raises:
+            ValueError: the launcher's variables contradict each other or don't parse.
+            CommunicatorStateError: torch.distributed is already initialized, or no rendezvous
+                host is known (processes across machines under mpirun without MASTER_ADDR).
+            CollectiveTimeoutError: ranks didn't reach the rendezvous within ``timeout``; names them.
         """
-        missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
-        if missing:
-            raise CommunicatorStateError(
-                f"{cls.__name__}.from_env() needs the torchrun variables; {', '.join(missing)} not set. "
-                f"Run under torchrun, or use distcomm.launch()")
-        if dist.is_initialized():
-            raise CommunicatorStateError(
-                f"torch.distributed is already initialized; use {cls.__name__}() to adopt its default group")
-        try:
-            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        except ValueError as e:
-            raise CommunicatorStateError(f"RANK/WORLD_SIZE must be integers: {e}") from e
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        return start_world(cls, "env://", rank, world, local_rank, timeout=timeout, **kwargs)
+        return start_from(cls, detect(), timeout=timeout, **kwargs)
 
 
 class GlooCommunicator(_TorchCommunicator):
@@ -642,6 +641,8 @@ class GlooCommunicator(_TorchCommunicator):
     Construction is collective: every rank of the group must create its communicator, in the
     same order; it creates one group per machine, eagerly.
     """
+
+    backend = "gloo"
 
     def _tensor_reduce(self, tensor: torch.Tensor, dst: int | None, op: str, timeout: float | None) -> None:
         if takes_gathered(self, tensor):
@@ -674,6 +675,8 @@ class NcclCommunicator(_TorchCommunicator):
         device: the CUDA device for tensor collectives (an index, a string or a torch.device).
         machine, timeout, serializer, max_bytes, slot_bytes, receive_cuda_on: see GlooCommunicator.
     """
+
+    backend = "nccl"
 
     def __init__(self, group: Any = None, *, device: int | str | torch.device | None = None, **kwargs: Any) -> None:
         if not torch.cuda.is_available():
@@ -736,40 +739,3 @@ class NcclCommunicator(_TorchCommunicator):
             dist.barrier(group=self._group, device_ids=[self._device.index])
         except Exception as e:
             fail(self, e, timeout)
-
-
-def start_world(
-    cls: type[_TorchCommunicator], init_method: str, rank: int, world: int, local_rank: int, *,
-    timeout: float | datetime.timedelta | None = None, **kwargs: Any,
-) -> Any:
-    """Initialize torch.distributed's default group and return a ``cls`` communicator that owns it.
-
-    The one place that starts a job's group: used by ``from_env`` (torchrun), ``launch`` and
-    ``distcomm.testing.spawn``. For NCCL it binds ``cuda:<local_rank % device_count>`` first.
-    If the communicator can't be built, the group is destroyed again. The communicator becomes
-    the process-wide default (``distcomm.current()`` in every thread) until it is closed.
-    """
-    seconds = _seconds(timeout, DEFAULT_TIMEOUT)
-    assert seconds is not None
-    td = datetime.timedelta(seconds=seconds)
-    if issubclass(cls, NcclCommunicator):
-        if not torch.cuda.is_available():
-            raise CommunicatorStateError(
-                "NcclCommunicator needs CUDA and NCCL, and this machine has no CUDA device; "
-                "use GlooCommunicator on CPU")
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world, timeout=td,
-                                device_id=device)
-        kwargs.setdefault("device", device)
-    else:
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world, timeout=td)
-    try:
-        comm = cls(None, timeout=timeout, _owns_default=True, **kwargs)
-        comm._machines_declared = True  # the job's launcher knows its machines (the reference's launch())
-        set_default(comm)  # every thread of the process sees it
-        return comm
-    except BaseException:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        raise

@@ -134,13 +134,6 @@ def test_nccl_without_cuda_names_cuda() -> None:
         distcomm.NcclCommunicator()
 
 
-def test_from_env_without_variables(monkeypatch: pytest.MonkeyPatch) -> None:
-    for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(v, raising=False)
-    with pytest.raises(distcomm.CommunicatorStateError, match="RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT"):
-        distcomm.GlooCommunicator.from_env()
-
-
 def test_bad_arguments_are_clear() -> None:
     with pytest.raises(ValueError, match="timeout"):
         distcomm.LocalCommunicator(timeout=-1)

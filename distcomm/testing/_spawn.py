@@ -20,9 +20,10 @@ import torch.distributed as dist
 
 from .._context import use
 from .._errors import DistCommError, RankFailedError
-from .._launch import describe, first_failure, free_port
+from .._launch import describe, first_failure
 from .._serialization import dumps_code
-from .._torch import GlooCommunicator, NcclCommunicator, start_world
+from .._start import free_port, start_world
+from .._torch import GlooCommunicator, NcclCommunicator
 
 __all__ = ["spawn"]
 

@@ -1,0 +1,95 @@
+"""Starting a job's default group: from a launcher's environment, a URL, or a world of one.
+
+``start_from`` turns what ``detect()`` found into a rendezvous and a communicator; ``start_world``
+is the one place that initializes torch.distributed's default group (``from_env``, ``launch`` and
+``distcomm.testing.spawn`` all come here).
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from ._communicator import DEFAULT_TIMEOUT
+from ._defaults import set_default
+from ._errors import CommunicatorStateError
+from ._launchers import LaunchEnv
+from ._memory import seconds as _seconds
+from ._rendezvous import open_store, parse_url
+
+if TYPE_CHECKING:
+    from ._torch import _TorchCommunicator
+
+__all__ = ["free_port", "start_from", "start_world"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (bind to 0, read it back)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_from(cls: type[_TorchCommunicator], env: LaunchEnv, *,
+               timeout: float | datetime.timedelta | None = None, **kwargs: Any) -> Any:
+    """A ``cls`` communicator over a new default group, for the process ``env`` describes."""
+    if dist.is_initialized():
+        raise CommunicatorStateError(
+            f"torch.distributed is already initialized; use {cls.__name__}() to adopt its default group")
+    if env.master_addr is None:
+        raise CommunicatorStateError(f"{cls.__name__}.from_env(): {env.address_problem}")
+    host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr
+    port = env.master_port or free_port()  # a world of one: any free port
+    if env.knows_nodes:
+        kwargs.setdefault("machine", env.node_rank)
+    # torchrun's agent hosts the store and keeps it across restarts: each attempt gets its own keys
+    prefix = f"distcomm/attempt-{env.restart}" if env.launcher == "torchrun" else ""
+    return start_world(cls, f"tcp://{host}:{port}", env.rank, env.world_size, env.local_rank, timeout=timeout,
+                       prefix=prefix, hosted=env.launcher != "torchrun", launcher=env.launcher, **kwargs)
+
+
+def start_world(
+    cls: type[_TorchCommunicator], url: str, rank: int, world: int, local_rank: int, *,
+    timeout: float | datetime.timedelta | None = None, prefix: str = "", hosted: bool = True,
+    launcher: str | None = None, **kwargs: Any,
+) -> Any:
+    """Initialize torch.distributed's default group and return a ``cls`` communicator that owns it.
+
+    The one place that starts a job's group: used by ``from_env``, ``launch`` and
+    ``distcomm.testing.spawn``. ``url`` (tcp://host:port), ``prefix`` and ``hosted`` say where the
+    ranks meet (see ``open_store``); ``launcher`` names what started the process. For NCCL it binds
+    ``cuda:<local_rank % device_count>`` first. If the communicator can't be built, the group is
+    destroyed again. The communicator becomes the process-wide default (``distcomm.current()`` in
+    every thread) until it is closed.
+    """
+    seconds = _seconds(timeout, DEFAULT_TIMEOUT)
+    assert seconds is not None
+    td = datetime.timedelta(seconds=seconds)
+    host, port = parse_url(url)
+    store = open_store(host, port, rank, world, seconds, prefix=prefix, hosted=hosted,
+                       what=f"{launcher}'s rendezvous" if launcher else "the rendezvous")
+    if cls.backend == "nccl":
+        if not torch.cuda.is_available():
+            raise CommunicatorStateError(
+                "NcclCommunicator needs CUDA and NCCL, and this machine has no CUDA device; "
+                "use GlooCommunicator on CPU")
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", store=store, rank=rank, world_size=world, timeout=td, device_id=device)
+        kwargs.setdefault("device", device)
+    else:
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=td)
+    try:
+        comm = cls(None, timeout=timeout, _owns_default=True, **kwargs)
+        comm._machines_declared = True  # the job's launcher knows its machines (the reference's launch())
+        comm._launcher = launcher
+        set_default(comm)  # every thread of the process sees it
+        return comm
+    except BaseException:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise
