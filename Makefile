@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.distcomm-installed
 
-.PHONY: help install demo test test-slow test-all test-large test-gpu lint typecheck bench bench-full bench-tensors bench-wire \
+.PHONY: help install demo test test-slow test-launchers test-all test-large test-gpu lint typecheck bench bench-full bench-tensors bench-wire \
 	bench-simulate clean
 
 help:  ## this list
@@ -36,8 +36,11 @@ test: $(STAMP)  ## the suite but its slow tests (about 3 minutes on 2 cores)
 test-slow: $(STAMP)  ## only the slow tests: large worlds, timeouts, launch, torchrun, README blocks
 	$(BIN)/python -m pytest -q -m slow
 
-test-all: $(STAMP)  ## everything but the 12 GiB tests: make test and make test-slow in one run
-	$(BIN)/python -m pytest -q -m "not large"
+test-launchers: $(STAMP)  ## real srun, sbatch, mpirun, torchrun with restarts, hosts in network namespaces (root; installs slurm-wlm, openmpi-bin)
+	$(BIN)/python -m pytest -q -m launchers tests/launchers
+
+test-all: $(STAMP)  ## everything but the 12 GiB tests and the launcher tier: make test and make test-slow in one run
+	$(BIN)/python -m pytest -q -m "not large and not launchers"
 
 test-large: $(STAMP)  ## payloads over 2 GiB (about 12 GiB of RAM)
 	$(BIN)/python -m pytest -q -m large tests/test_large.py
