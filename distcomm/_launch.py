@@ -25,10 +25,11 @@ import torch.multiprocessing as mp
 from ._communicator import DEFAULT_TIMEOUT
 from ._context import use
 from ._defaults import clear_default, set_default
-from ._errors import DistCommError, RankFailedError
+from ._errors import CommunicatorStateError, DistCommError, RankFailedError
 from ._launchers import LaunchEnv, detect
 from ._local import LocalCommunicator
 from ._memory import seconds as _seconds
+from ._rendezvous import parse_url, unreachable_here
 from ._serialization import dumps_code
 from ._start import free_port, start_from, start_world
 from ._torch import GlooCommunicator, NcclCommunicator
@@ -404,12 +405,15 @@ def _machines_under(env: LaunchEnv, per_machine: int, num_machines: int, machine
     if env.launcher == "torchrun":  # its agent holds MASTER_PORT; torchrun starts processes itself
         raise ValueError(f"launch() was asked for {per_machine} processes per machine, but {saw}: "
                          f"run torchrun --nproc-per-node {per_machine} instead")
-    if dist_url not in (None, "auto") and num_machines > 1:
-        return env.world_size, env.rank, dist_url
-    if env.master_addr is None or env.master_port is None:
-        raise ValueError(f"launch() can't start this machine's processes: {env.address_problem}")
-    host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr
-    return env.world_size, env.rank, f"tcp://{host}:{env.master_port}"
+    if dist_url in (None, "auto") or num_machines == 1:
+        if env.master_addr is None or env.master_port is None:
+            raise ValueError(f"launch() can't start this machine's processes: {env.address_problem}")
+        host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr
+        dist_url = f"tcp://{host}:{env.master_port}"
+    problem = unreachable_here(parse_url(dist_url)[0])
+    if problem:  # refused before starting anything: each of gloo's connections would wait for the timeout
+        raise CommunicatorStateError(f"launch() under {env.launcher} across machines: {problem}")
+    return env.world_size, env.rank, dist_url
 
 
 def _run_here(env: LaunchEnv, main_func: Callable[..., Any], args: Sequence[Any], seconds: float,

@@ -24,7 +24,7 @@ import torch
 
 from ._errors import CollectiveTimeoutError, CommunicatorStateError
 
-__all__ = ["open_store", "parse_url"]
+__all__ = ["open_store", "parse_url", "unreachable_here"]
 
 _ARRIVED = "distcomm/arrived"
 _ALL_HERE = "distcomm/all-here"
@@ -86,6 +86,45 @@ def _connect(host: str, port: int, rank: int, world: int, seconds: float, hosted
             f"{where} did not complete within {seconds:g} s: rank {rank} could not reach {host_role} "
             f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})",
             op="rendezvous", ranks=[0]) from e
+
+
+def unreachable_here(master: str) -> str:
+    """Why peers on other machines could not reach this process over gloo, or "".
+
+    Without GLOO_SOCKET_IFNAME, gloo advertises the address this host's name resolves to; where
+    that is a loopback address (Debian maps the host name to 127.0.1.1) or nothing, peers on other
+    machines are handed an address they can't connect to, and each connection waits for the timeout.
+    """
+    if os.environ.get("GLOO_SOCKET_IFNAME") or _is_loopback(master):
+        return ""
+    name = socket.gethostname()
+    try:
+        advertised = socket.gethostbyname(name)
+    except OSError:
+        advertised = ""
+    if advertised and not _is_loopback(advertised):
+        return ""
+    toward = _address_toward(master)
+    return (f"this host's name {name!r} resolves to {advertised or 'no address'}, which peers on other machines "
+            f"can't reach: gloo would hand them that address. Set GLOO_SOCKET_IFNAME to the interface that "
+            f"reaches {master}" + (f" (the one with address {toward}: see `ip -o addr`)" if toward else ""))
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return socket.gethostbyname(host).startswith("127.") or host in ("::1", "localhost")
+    except OSError:
+        return False
+
+
+def _address_toward(host: str) -> str:
+    """This machine's address on the route to ``host`` (a UDP socket's connect sends nothing)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return str(s.getsockname()[0])
+    except OSError:
+        return ""
 
 
 def _ranks(ranks: list[int]) -> str:

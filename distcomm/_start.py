@@ -19,7 +19,7 @@ from ._defaults import set_default
 from ._errors import CommunicatorStateError
 from ._launchers import LaunchEnv
 from ._memory import seconds as _seconds
-from ._rendezvous import open_store, parse_url
+from ._rendezvous import open_store, parse_url, unreachable_here
 
 if TYPE_CHECKING:
     from ._torch import _TorchCommunicator
@@ -42,6 +42,9 @@ def start_from(cls: type[_TorchCommunicator], env: LaunchEnv, *,
             f"torch.distributed is already initialized; use {cls.__name__}() to adopt its default group")
     if env.master_addr is None:
         raise CommunicatorStateError(f"{cls.__name__}.from_env(): {env.address_problem}")
+    problem = unreachable_here(env.master_addr) if env.local_size < env.world_size else ""
+    if problem:  # refused before connecting: otherwise each of gloo's connections waits for the timeout
+        raise CommunicatorStateError(f"{cls.__name__}.from_env() under {env.launcher} across machines: {problem}")
     host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr
     port = env.master_port or free_port()  # a world of one: any free port
     if env.knows_nodes:

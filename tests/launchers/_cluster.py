@@ -152,3 +152,68 @@ def run(cmd: list[str], env: dict[str, str], cwd: Path, timeout: float = TIMEOUT
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, 9)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+
+SUBNET = "10.79.0"
+
+
+@contextlib.contextmanager
+def hosts(n: int) -> Iterator[list[str]]:
+    """``n`` "hosts": network namespaces on one bridge, addresses SUBNET.1 to SUBNET.n; yields their
+    names; removes everything on every exit (needs root)."""
+    tag = f"dcl{os.getpid() % 10000}"
+    names = [f"{tag}n{i}" for i in range(n)]
+    made: list[str] = []
+    try:
+        _ip("link", "add", f"{tag}br", "type", "bridge")
+        made.append(f"{tag}br")
+        _ip("link", "set", f"{tag}br", "up")
+        for i, ns in enumerate(names):
+            _ip("netns", "add", ns)
+            made.append(ns)
+            _ip("link", "add", f"{ns}h", "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _ip("link", "set", f"{ns}h", "master", f"{tag}br")
+            _ip("link", "set", f"{ns}h", "up")
+            _ip("-n", ns, "addr", "add", f"{SUBNET}.{i + 1}/24", "dev", "eth0")
+            _ip("-n", ns, "link", "set", "eth0", "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+        yield names
+    finally:
+        for name in reversed(made):
+            kind = ["link", "del", name] if name.endswith("br") else ["netns", "del", name]
+            subprocess.run(["ip", *kind], capture_output=True, timeout=30, check=False)
+
+
+def run_on_hosts(cmds: list[tuple[str, list[str], dict[str, str]]], cwd: Path,
+                 timeout: float = TIMEOUT) -> subprocess.CompletedProcess[str]:
+    """Each (namespace, command, environment) at once, each namespace with a host name of its own (its name);
+    one result: the first failing return code (else 0) and every output, one after the other."""
+    procs = []
+    try:
+        for ns, cmd, env in cmds:
+            wrapped = ["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c",
+                       f'hostname {ns} && exec "$@"', "sh", *cmd]
+            procs.append(subprocess.Popen(wrapped, env=env, cwd=cwd, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True, start_new_session=True))
+        deadline = time.monotonic() + timeout
+        outs = []
+        for p in procs:
+            try:
+                outs.append(p.communicate(timeout=max(deadline - time.monotonic(), 0.1))[0])
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(q.pid, 9)
+                said = "\n".join(f"--- {' '.join(c[1])} on {c[0]}:\n{q.communicate()[0][-2000:]}"
+                                 for c, q in zip(cmds, procs))
+                raise AssertionError(f"ran past {timeout} s:\n{said}") from None
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, 9)
+    code = next((p.returncode for p in procs if p.returncode), 0)
+    return subprocess.CompletedProcess([], code, "\n".join(outs), "")
