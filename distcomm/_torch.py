@@ -80,13 +80,15 @@ give again once they are destroyed (see ``_TorchCommunicator._forget_keys``)."""
 
 
 def _machine_key(machine: str | int | None) -> str:
-    if isinstance(machine, str) and machine.startswith(("given:", "torchrun-node:", "host:")):
+    if isinstance(machine, str) and machine.startswith(("given:", "node:", "host:")):
         return machine  # a key already made (a sub-communicator's, from its parent)
     if machine is not None:
         return f"given:{machine}"
-    if "TORCHELASTIC_RUN_ID" in os.environ and "GROUP_RANK" in os.environ:
-        return f"torchrun-node:{os.environ['GROUP_RANK']}"
-    return f"host:{socket.gethostname()}"
+    try:
+        env = detect()
+    except ValueError:  # contradictory launcher variables: the host name still tells machines apart
+        return f"host:{socket.gethostname()}"
+    return f"node:{env.node_rank}" if env.knows_nodes else f"host:{socket.gethostname()}"
 
 
 class _TorchCommunicator(Communicator):
