@@ -6,6 +6,8 @@ binding, the gloo side group for objects, CUDA tensors inside objects and reduce
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -109,3 +111,21 @@ def test_nccl_per_step_calls_agree_on_the_device() -> None:
     for out in results:
         assert out["exchanges"] == 0
         assert out["mismatch"] == results[0]["mismatch"] != "no error"
+
+
+def test_from_env_under_torchrun_picks_nccl(tmp_path: Any) -> None:
+    """distcomm.from_env() under torchrun on a CUDA machine: NCCL, one device per local rank."""
+    n = world()
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import torch, distcomm\n"
+        "with distcomm.from_env(timeout=120) as comm, distcomm.use(comm):\n"
+        "    t = torch.full((4,), float(comm.rank), device=comm.device)\n"
+        "    comm.all_reduce(t)\n"
+        "    print('NCCL', type(comm).__name__, comm.launcher, comm.device, float(t[0]), flush=True)\n")
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--master-addr",
+                          "127.0.0.1", "--master-port", str(distcomm.free_port()), str(script)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    lines = sorted(line for line in out.stdout.splitlines() if line.startswith("NCCL"))
+    assert lines == sorted(f"NCCL NcclCommunicator torchrun cuda:{r} {float(sum(range(n)))}" for r in range(n))
