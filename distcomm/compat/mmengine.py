@@ -414,6 +414,8 @@ def all_gather_object(data: Any, group: Any = None) -> list[Any]:
 def gather_object(data: Any, dst: int = 0, group: Any = None) -> list[Any] | None:
     """Every rank's object, by rank, on ``dst`` (a global rank); None elsewhere."""
     comm = communicator(group)
+    if comm.world_size == 1:  # (whatever ``dst``, as mmengine)
+        return [data]
     root = root_rank(group, dst, None)
     out = comm.gather(data, root)
     return out if comm.rank == root else None
