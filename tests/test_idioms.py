@@ -127,7 +127,7 @@ def test_reductions_take_torchs_reduce_op() -> None:
 
     assert run_threaded(_reduce_ops, 3) == [(2.0, 2.0, 3.0, 8)] * 3
     for bad in (0, True, dist.ReduceOp.BAND, "avg"):  # ReduceOp.SUM == 0, but 0 is no op
-        with pytest.raises(ValueError, match="dist.ReduceOp"):
+        with pytest.raises(ValueError, match=r"dist\.ReduceOp"):
             FakeCommunicator(0, 2).all_reduce(torch.ones(1), bad)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="dist.ReduceOp"):
+    with pytest.raises(ValueError, match=r"dist\.ReduceOp"):
         FakeCommunicator(0, 2).all_reduce_dict({"x": 1.0}, op=dist.ReduceOp.PRODUCT)
