@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .._calls import Op
+from .._communicator import Communicator
 from ._common import communicator, refuse, root_rank, translated
 
 __all__ = ["all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list"]
@@ -28,8 +29,14 @@ def _outside(group: Any, name: str) -> bool:
     if group is None or dist.get_rank(group) >= 0:
         return False
     warnings.warn(f"Running {name} on global rank {dist.get_rank()} which does not belong to the given group.",
-                  stacklevel=3)
+                  stacklevel=4)
     return True
+
+
+def _rooted(name: str, group: Any, rank: int | None, group_rank: int | None) -> tuple[Communicator, int] | None:
+    """The communicator of ``group`` and the root as its rank; None off the group."""
+    root = root_rank(group, rank, group_rank)  # (torch checks the roots first)
+    return None if _outside(group, name) else (communicator(group), root)
 
 
 def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> None:
@@ -58,10 +65,10 @@ def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: in
         group: a torch process group; None: the current communicator.
         group_dst: the destination's rank in ``group`` (instead of ``dst``).
     """
-    if _outside(group, "gather_object"):
+    rooted = _rooted("gather_object", group, dst, group_dst)
+    if rooted is None:
         return
-    comm = communicator(group)
-    root = root_rank(group, dst, group_dst)
+    comm, root = rooted
     if comm.rank == root and not object_gather_list:
         refuse(comm, Op.GATHER, root, ValueError, "Argument ``gather_list`` must be specified on destination rank.")
     if comm.rank != root and object_gather_list:
@@ -89,10 +96,10 @@ def broadcast_object_list(object_list: list[Any], src: int | None = None, group:
         ValueError: on a rank whose list is not as long as ``src``'s (after the broadcast, which
             the other ranks complete).
     """
-    if _outside(group, "broadcast_object_list"):
+    rooted = _rooted("broadcast_object_list", group, src, group_src)
+    if rooted is None:
         return
-    comm = communicator(group)
-    root = root_rank(group, src, group_src)
+    comm, root = rooted
     got = translated(comm.broadcast, object_list if comm.rank == root else None, root, kind=ValueError)
     if comm.rank == root:
         return
@@ -113,10 +120,10 @@ def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_in
         group: a torch process group; None: the current communicator.
         group_src: the source's rank in ``group`` (instead of ``src``).
     """
-    if _outside(group, "scatter_object_list"):
+    rooted = _rooted("scatter_object_list", group, src, group_src)
+    if rooted is None:
         return
-    comm = communicator(group)
-    root = root_rank(group, src, group_src)
+    comm, root = rooted
     if not isinstance(scatter_object_output_list, list) or len(scatter_object_output_list) < 1:
         refuse(comm, Op.SCATTER, root, ValueError,
                "Expected argument scatter_object_output_list to be a list of size at least 1.")
