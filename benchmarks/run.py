@@ -5,6 +5,8 @@
 Implementations, each on the same gloo process group over 127.0.0.1:
 - distcomm: GlooCommunicator.all_gather / gather.
 - torch: torch.distributed.all_gather_object / gather_object.
+- compat: distcomm.compat.torch's functions of the same names (torch's signatures, in-place lists)
+  over the same communicator.
 - naive: pickle to bytes, exchange sizes, pad every rank to the largest, exchange, unpickle (the
   reference module's pipeline, written here).
 - floor: a raw tensor collective of the same bytes into a freshly allocated buffer, no
@@ -41,6 +43,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import distcomm
+import distcomm.compat.torch as compat
+from distcomm._defaults import set_default
 
 HERE = Path(__file__).resolve().parent
 PAYLOADS = ["dict of 8 floats", "2,000 small dicts", "32 MiB array", "32 MiB tensor", "skewed 32 MiB", "8 MiB array"]
@@ -137,7 +141,12 @@ def make_impls(comm: distcomm.Communicator, op: str, obj: Any) -> dict[str, Call
             dist.all_gather_into_tensor(out, raw)
             return out
 
-        return {"distcomm": lambda: comm.all_gather(obj), "torch": torch_impl,
+        def compat_impl() -> Any:
+            out: list[Any] = [None] * world
+            compat.all_gather_object(out, obj)
+            return out
+
+        return {"distcomm": lambda: comm.all_gather(obj), "torch": torch_impl, "compat": compat_impl,
                 "naive": lambda: naive_all_gather(obj), "floor": floor}
 
     def torch_gather() -> Any:
@@ -150,7 +159,12 @@ def make_impls(comm: distcomm.Communicator, op: str, obj: Any) -> dict[str, Call
         dist.gather(raw, outs, dst=0)
         return outs
 
-    return {"distcomm": lambda: comm.gather(obj, dst=0), "torch": torch_gather,
+    def compat_gather() -> Any:
+        out: list[Any] | None = [None] * world if rank == 0 else None
+        compat.gather_object(obj, out, dst=0)
+        return out
+
+    return {"distcomm": lambda: comm.gather(obj, dst=0), "torch": torch_gather, "compat": compat_gather,
             "naive": lambda: naive_all_gather(obj, gather_to=0), "floor": floor_gather}
 
 
@@ -168,13 +182,18 @@ def root_impls(comm: distcomm.Communicator, op: str, obj: Any) -> dict[str, Call
             dist.broadcast_object_list(box, src=0)
             return box[0]
 
+        def compat_bcast() -> Any:
+            box = [obj if rank == 0 else None]
+            compat.broadcast_object_list(box, src=0)
+            return box[0]
+
         def floor_bcast() -> Any:
             buf = raw if rank == 0 else torch.empty(n, dtype=torch.uint8)
             dist.broadcast(buf, src=0)
             return buf
 
         return {"distcomm": lambda: comm.broadcast(obj if rank == 0 else None, src=0), "torch": torch_bcast,
-                "floor": floor_bcast}
+                "compat": compat_bcast, "floor": floor_bcast}
     parts = comm.gather(obj, dst=0) or None  # the root holds every rank's part
     raw, biggest = floor_sizes(obj)
     chunks = [torch.zeros(biggest, dtype=torch.uint8) for _ in range(world)] if rank == 0 else None
@@ -184,12 +203,18 @@ def root_impls(comm: distcomm.Communicator, op: str, obj: Any) -> dict[str, Call
         dist.scatter_object_list(out, parts, src=0)
         return out[0]
 
+    def compat_scatter() -> Any:
+        out: list[Any] = [None]
+        compat.scatter_object_list(out, parts, src=0)
+        return out[0]
+
     def floor_scatter() -> Any:
         out = torch.empty(biggest, dtype=torch.uint8)
         dist.scatter(out, chunks, src=0)
         return out
 
-    return {"distcomm": lambda: comm.scatter(parts, src=0), "torch": torch_scatter, "floor": floor_scatter}
+    return {"distcomm": lambda: comm.scatter(parts, src=0), "torch": torch_scatter, "compat": compat_scatter,
+            "floor": floor_scatter}
 
 
 # ---------------------------------------------------------------- timing worker
@@ -200,7 +225,9 @@ def _init(rank: int, world: int, port: int) -> distcomm.GlooCommunicator:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
-    return distcomm.GlooCommunicator(timeout=300, _owns_default=True)
+    comm = distcomm.GlooCommunicator(timeout=300, _owns_default=True)
+    set_default(comm)  # the current communicator, which distcomm.compat's functions use
+    return comm
 
 
 def _batch(name: str, size: int) -> int:
@@ -398,9 +425,11 @@ def main() -> None:
         "Bytes: what distcomm's counters say one call moved per rank (largest sent / largest received "
         "over ranks; payload bytes, no TCP/IP or gloo framing: benchmarks/wire.py counts those).",
         "",
-        "| payload | op | world | distcomm | torch | naive | floor | distcomm/torch | distcomm/floor "
-        "| sent / received per rank |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "compat: distcomm.compat.torch's function of torch's name (torch's signature, in-place lists).",
+        "",
+        "| payload | op | world | distcomm | torch | compat | naive | floor | distcomm/torch | compat/torch "
+        "| distcomm/floor | sent / received per rank |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         m = r["median_s"]
@@ -408,7 +437,8 @@ def main() -> None:
         sent = max(x[0] for x in r["moved"])
         received = max(x[1] for x in r["moved"])
         lines.append(f"| {r['payload']} | {r['op']} | {r['world']} | {fmt_time(m['distcomm'])} | {fmt_time(m['torch'])}"
-                     f" | {naive} | {fmt_time(m['floor'])} | {m['distcomm'] / m['torch']:.2f}"
+                     f" | {fmt_time(m['compat'])} | {naive} | {fmt_time(m['floor'])} | {m['distcomm'] / m['torch']:.2f}"
+                     f" | {m['compat'] / m['torch']:.2f}"
                      f" | {m['distcomm'] / m['floor']:.2f} | {fmt_bytes(sent)} / {fmt_bytes(received)} |")
     lines += ["", "distcomm.testing's threaded world (ranks as threads in one process, same pipeline): "
               "all_gather of a dict of 8 floats, median per call (slowest rank).", "",

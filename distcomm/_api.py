@@ -15,6 +15,7 @@ import torch.distributed as dist
 from ._communicator import Communicator
 from ._context import active, current
 from ._handles import Handle
+from ._ops import ReduceOpLike, op_name
 from ._torch import GlooCommunicator, NcclCommunicator
 
 __all__ = [
@@ -163,8 +164,8 @@ def shared_random_seed(group: Any = None) -> int:
     return _for_group(group).shared_random_seed()
 
 
-def reduce_dict(input_dict: Mapping[Any, Any], average: bool | str = True, group: Any = None, *,
-                op: str | None = None) -> dict[Any, Any]:
+def reduce_dict(input_dict: Mapping[Any, Any], average: bool | ReduceOpLike = True, group: Any = None, *,
+                op: ReduceOpLike | None = None) -> dict[Any, Any]:
     """Sum or average a dict of scalar tensors (or numbers) onto rank 0 (see Communicator.reduce_dict).
 
     mmengine's spelling, an op in second place (``reduce_dict(d, "mean")``), works too."""
@@ -172,29 +173,30 @@ def reduce_dict(input_dict: Mapping[Any, Any], average: bool | str = True, group
     return _for_group(group).reduce_dict(input_dict, average, op=op)
 
 
-def all_reduce_dict(input_dict: Mapping[Any, Any], average: bool | str = True, group: Any = None, *,
-                    op: str | None = None) -> dict[Any, Any]:
+def all_reduce_dict(input_dict: Mapping[Any, Any], average: bool | ReduceOpLike = True, group: Any = None, *,
+                    op: ReduceOpLike | None = None) -> dict[Any, Any]:
     """Sum or average a dict of scalar tensors (or numbers) onto every rank; ``op``: "sum", "mean",
     "max" or "min", also in second place as mmengine's ``all_reduce_dict(data, "mean")``."""
     average, op = _average_or_op(average, op)
     return _for_group(group).all_reduce_dict(input_dict, average, op=op)
 
 
-def _average_or_op(average: bool | str, op: str | None) -> tuple[bool, str | None]:
-    if isinstance(average, str):  # mmengine's all_reduce_dict(data, op)
-        if op is not None:
-            raise TypeError(f"the op was given twice: {average!r} and op={op!r}")
-        return True, average
-    return average, op
+def _average_or_op(average: bool | ReduceOpLike, op: ReduceOpLike | None) -> tuple[bool, ReduceOpLike | None]:
+    if isinstance(average, bool) or (not isinstance(average, str) and op_name(average) is None):
+        return average, op  # type: ignore[return-value]  # (not a bool: reduce_dict refuses it)
+    if op is not None:  # mmengine's all_reduce_dict(data, op), with an op= too
+        raise TypeError(f"the op was given twice: {average!r} and op={op!r}")
+    return True, average
 
 
 # Tensor collectives and object reductions: see the Communicator methods of the same names.
-def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Any = None, *, check: bool = True) -> torch.Tensor:
+def all_reduce(tensor: torch.Tensor, op: ReduceOpLike = "sum", group: Any = None, *,
+               check: bool = True) -> torch.Tensor:
     """Reduce ``tensor`` in place on every rank of the active communicator (or ``group``); returns it."""
     return _for_group(group).all_reduce(tensor, op, check=check)
 
 
-def reduce(tensor: torch.Tensor, dst: int = 0, op: str = "sum", group: Any = None, *,
+def reduce(tensor: torch.Tensor, dst: int = 0, op: ReduceOpLike = "sum", group: Any = None, *,
            check: bool = True) -> torch.Tensor:
     """Reduce ``tensor`` in place onto ``dst``; returns it."""
     return _for_group(group).reduce(tensor, dst, op, check=check)
@@ -210,7 +212,7 @@ def all_gather_tensor(tensor: torch.Tensor, group: Any = None, *, check: bool = 
     return _for_group(group).all_gather_tensor(tensor, check=check)
 
 
-def reduce_scatter_tensor(tensor: torch.Tensor, op: str = "sum", group: Any = None, *,
+def reduce_scatter_tensor(tensor: torch.Tensor, op: ReduceOpLike = "sum", group: Any = None, *,
                           check: bool = True) -> torch.Tensor:
     """Reduce ``tensor`` across ranks; rank r gets the r-th slice of dim 0."""
     return _for_group(group).reduce_scatter_tensor(tensor, op, check=check)

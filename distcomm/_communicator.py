@@ -37,7 +37,7 @@ from ._handles import Handle, Queues, refuse_close
 from ._memory import seconds
 from ._messages import irecv, isend
 from ._one_at_a_time import COLLECTIVES, exclusive, user_site
-from ._ops import object_op, tensor_op
+from ._ops import ReduceOpLike, object_op, tensor_op
 from ._ordering import gather_in_order
 from ._pipeline import run
 from ._reductions import dict_op, reduce_dict, reduce_objects
@@ -479,6 +479,16 @@ class Communicator(abc.ABC):
                 return objs[0]
         return self._run(CallSpec(Op.SCATTER, src, objs, t, problem=problem))[self.rank]
 
+    def _refuse(self, op: Op, root: int, problem: str, timeout: float | datetime.timedelta | None = None) -> None:
+        """Join the collective ``op`` (with ``root``) that the other ranks call, with this rank's input
+        refused: every rank raises the same CollectiveError naming this rank and ``problem``. For the
+        framework adapters (``distcomm.compat``), whose frameworks check some arguments on one rank."""
+        self._check_usable()
+        if self._returns_at_once():
+            raise self._world_of_one_error(op, problem)
+        self._run(CallSpec(op, root, None, self._op_timeout(timeout), problem=problem))
+        raise AssertionError(f"{op.label}: a refused input passed the exchange")  # (the exchange raises)
+
     def gather_in_order(self, results: Sequence[Any], *, size: int | None = None,
                         sharding: Literal["contiguous", "interleaved"] = "contiguous", dst: int = 0,
                         timeout: float | datetime.timedelta | None = None) -> list[Any] | None:
@@ -549,7 +559,7 @@ class Communicator(abc.ABC):
 
     # ------------------------------------------------------------------ dict and object reductions
     def reduce_dict(
-        self, input_dict: Mapping[Any, Any], average: bool = True, *, op: str | None = None,
+        self, input_dict: Mapping[Any, Any], average: bool = True, *, op: ReduceOpLike | None = None,
         timeout: float | datetime.timedelta | None = None,
     ) -> dict[Any, Any]:
         """Sum (or average) a dict of tensors onto rank 0, element-wise, in one collective.
@@ -564,7 +574,7 @@ class Communicator(abc.ABC):
         return reduce_dict(self, input_dict, dict_op(average, op), 0, timeout)
 
     def all_reduce_dict(
-        self, input_dict: Mapping[Any, Any], average: bool = True, *, op: str | None = None,
+        self, input_dict: Mapping[Any, Any], average: bool = True, *, op: ReduceOpLike | None = None,
         timeout: float | datetime.timedelta | None = None,
     ) -> dict[Any, Any]:
         """Like reduce_dict, but every rank gets the reduced dict."""
@@ -607,7 +617,7 @@ class Communicator(abc.ABC):
     # mismatched memory. check=False skips that exchange for hot loops: then nothing compares dtypes,
     # shapes, reduce ops or roots across ranks, and all_gather_tensor takes every rank's first
     # dimension to be this rank's. Only all_gather_tensor takes part in autograd.
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", *, check: bool = True,
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOpLike = "sum", *, check: bool = True,
                    timeout: float | datetime.timedelta | None = None) -> torch.Tensor:
         """Reduce ``tensor`` across ranks, in place on every rank; returns it.
 
@@ -620,7 +630,7 @@ class Communicator(abc.ABC):
                 return out
         return run_tensor_op(self, Op.ALL_REDUCE, -1, tensor, reduce_op, check, timeout)
 
-    def reduce(self, tensor: torch.Tensor, dst: int = 0, op: str = "sum", *, check: bool = True,
+    def reduce(self, tensor: torch.Tensor, dst: int = 0, op: ReduceOpLike = "sum", *, check: bool = True,
                timeout: float | datetime.timedelta | None = None) -> torch.Tensor:
         """Reduce ``tensor`` across ranks onto ``dst``, in place there; returns it.
 
@@ -653,7 +663,7 @@ class Communicator(abc.ABC):
                 return out
         return run_tensor_op(self, Op.ALL_GATHER_TENSOR, -1, tensor, None, check, timeout)
 
-    def reduce_scatter_tensor(self, tensor: torch.Tensor, op: str = "sum", *, check: bool = True,
+    def reduce_scatter_tensor(self, tensor: torch.Tensor, op: ReduceOpLike = "sum", *, check: bool = True,
                               timeout: float | datetime.timedelta | None = None) -> torch.Tensor:
         """Reduce ``tensor`` (dim 0 of world_size x n) across ranks; rank r gets the r-th n-slice."""
         return run_tensor_op(self, Op.REDUCE_SCATTER_TENSOR, -1, tensor, tensor_op(op), check, timeout)
@@ -885,3 +895,5 @@ def _group_members(ranks: Sequence[int], world: int) -> list[int]:
 
 for _name in COLLECTIVES:
     setattr(Communicator, _name, exclusive(getattr(Communicator, _name)))
+# not public, but one collective at a time like them: it takes part in the other ranks' collective
+Communicator._refuse = exclusive(Communicator._refuse)  # type: ignore[method-assign]

@@ -4,22 +4,46 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
-__all__ = ["OBJECT_OPS", "TENSOR_OPS", "FoldError", "fold_objects", "fold_tensors", "object_op", "tensor_op",
-           "tensor_problem"]
+__all__ = ["OBJECT_OPS", "TENSOR_OPS", "FoldError", "ReduceOpLike", "fold_objects", "fold_tensors", "object_op",
+           "op_name", "tensor_op", "tensor_problem"]
 
 TENSOR_OPS = ("sum", "mean", "min", "max", "prod")
 
+ReduceOpLike: TypeAlias = "str | dist.ReduceOp.RedOpType"
+"""A reduction: its name, or torch's ``dist.ReduceOp`` member."""
+
+# torch's ReduceOp members under distcomm's names, beside the names themselves: one dict lookup a
+# call. The members compare and hash equal to small ints (ReduceOp.SUM == 0), so the lookup is
+# keyed by the type too, and 0 or True are not taken for an op.
+_REDUCE_OP = type(dist.ReduceOp.SUM) if dist.is_available() else str
+_OP_NAMES: dict[tuple[type, Any], str] = {(str, name): name for name in TENSOR_OPS}
+if dist.is_available():
+    _OP_NAMES.update({(_REDUCE_OP, dist.ReduceOp.SUM): "sum", (_REDUCE_OP, dist.ReduceOp.AVG): "mean",
+                      (_REDUCE_OP, dist.ReduceOp.MIN): "min", (_REDUCE_OP, dist.ReduceOp.MAX): "max",
+                      (_REDUCE_OP, dist.ReduceOp.PRODUCT): "prod"})
+
+
+def op_name(op: Any) -> str | None:
+    """distcomm's name for a reduction given by name or as torch's ``dist.ReduceOp`` (None: neither)."""
+    try:
+        return _OP_NAMES.get((op.__class__, op))
+    except TypeError:  # unhashable
+        return None
+
 
 def tensor_op(op: Any) -> str:
-    """Check a tensor reduction's name (before any communication)."""
-    if op not in TENSOR_OPS:
-        raise ValueError(f"op must be one of {', '.join(map(repr, TENSOR_OPS))}, got {op!r}")
-    return str(op)
+    """Check a tensor reduction's name or torch ReduceOp (before any communication); its name."""
+    name = op_name(op)
+    if name is None:
+        raise ValueError(f"op must be one of {', '.join(map(repr, TENSOR_OPS))} or torch's dist.ReduceOp "
+                         f"SUM, AVG, MIN, MAX, PRODUCT, got {op!r}")
+    return name
 
 
 def tensor_problem(tensor: Any, op: str | None) -> str | None:

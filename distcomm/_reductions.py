@@ -17,7 +17,7 @@ import torch
 from ._agreement import digest_of, odd_ones
 from ._calls import CallSpec, Op
 from ._errors import CollectiveError, CollectiveMismatchError
-from ._ops import FoldError, fold_objects
+from ._ops import FoldError, ReduceOpLike, fold_objects, op_name
 
 if TYPE_CHECKING:
     from ._communicator import Communicator
@@ -40,15 +40,17 @@ def _work_dtype(values: Iterable[Any]) -> torch.dtype:
 DICT_OPS = ("sum", "mean", "max", "min")
 
 
-def dict_op(average: bool, op: str | None) -> str:
+def dict_op(average: bool, op: ReduceOpLike | None) -> str:
     """reduce_dict's reduction: ``op`` where given ("sum", "mean", "max", "min"), else by ``average``."""
     if op is None:
         if not isinstance(average, bool):
             raise TypeError(f"average must be a bool, got {type(average).__name__}")
         return "mean" if average else "sum"
-    if op not in DICT_OPS:
-        raise ValueError(f"op must be one of {', '.join(map(repr, DICT_OPS))}, got {op!r}")
-    return op
+    name = op_name(op)
+    if name not in DICT_OPS:
+        raise ValueError(f"op must be one of {', '.join(map(repr, DICT_OPS))} or torch's dist.ReduceOp SUM, AVG, "
+                         f"MAX, MIN, got {op!r}")
+    return name
 
 
 def as_tensors(input_dict: Mapping[Any, Any]) -> Mapping[Any, Any]:

@@ -109,3 +109,25 @@ def test_module_helpers_over_a_users_group_gloo() -> None:
     got = spawn(_helpers_over_a_group, 2, timeout=120, reuse=False)  # it makes a group of its own
     assert got == [{"rank": r, "world": 2, "broadcast": "from 0", "all_reduce": [3.0], "dict": 1.0, "barrier": None}
                    for r in range(2)]
+
+
+def _reduce_ops(comm: distcomm.Communicator) -> tuple[float, float, float, int]:
+    import torch.distributed as dist
+
+    t = comm.all_reduce(torch.tensor([1.0 + comm.rank]), dist.ReduceOp.AVG)
+    d = comm.all_reduce_dict({"x": torch.tensor(float(comm.rank))}, op=dist.ReduceOp.MAX)
+    with distcomm.use(comm):
+        m = distcomm.all_reduce_dict({"x": float(comm.rank)}, dist.ReduceOp.SUM)  # in second place, as mmengine
+    p = comm.all_reduce(torch.tensor([2]), dist.ReduceOp.PRODUCT)
+    return t.item(), d["x"].item(), m["x"].item(), int(p.item())
+
+
+def test_reductions_take_torchs_reduce_op() -> None:
+    import torch.distributed as dist
+
+    assert run_threaded(_reduce_ops, 3) == [(2.0, 2.0, 3.0, 8)] * 3
+    for bad in (0, True, dist.ReduceOp.BAND, "avg"):  # ReduceOp.SUM == 0, but 0 is no op
+        with pytest.raises(ValueError, match=r"dist\.ReduceOp"):
+            FakeCommunicator(0, 2).all_reduce(torch.ones(1), bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"dist\.ReduceOp"):
+        FakeCommunicator(0, 2).all_reduce_dict({"x": 1.0}, op=dist.ReduceOp.PRODUCT)

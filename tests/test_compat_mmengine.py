@@ -1,0 +1,235 @@
+"""distcomm.compat.mmengine against mmengine.dist (0.10.7) itself, on the same gloo ranks and in a
+process without torch.distributed: every name's return value, its arguments after the call (in
+place or not) and its errors compared value by value and dtype by dtype on every rank; a bad
+argument on one rank raises mmengine's error type on every rank."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import tempfile
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import distcomm
+from distcomm.testing import spawn
+
+from ._compat_diff import Case, compare, raised_alike
+
+mmengine_dist = pytest.importorskip("mmengine.dist", reason="mmengine-lite is in the dev extra: pip install -e .[dev]")
+import distcomm.compat.mmengine as compat  # noqa: E402
+
+INTS, FLOATS = (torch.int64, torch.int32, torch.uint8), (torch.float32, torch.float64)
+
+
+def _tensor(rank: int, dtype: torch.dtype) -> torch.Tensor:
+    return (torch.tensor([[1, 2, 3], [4, 5, 7]]) * (rank + 1) + rank).to(dtype)
+
+
+def _all_reduce(op: str, dtype: torch.dtype) -> Case:
+    def case(m: Any, rank: int, world: int) -> Any:
+        data = _tensor(rank, dtype)
+        return m.all_reduce(data, op), data
+    return case
+
+
+def _all_reduce_negative(m: Any, rank: int, world: int) -> Any:
+    data = torch.tensor([-3, -4, 5], dtype=torch.int64) * (rank + 1)
+    return m.all_reduce(data, "mean"), data
+
+
+def _all_reduce_dict(op: str, dtypes: tuple[torch.dtype, ...]) -> Case:
+    def case(m: Any, rank: int, world: int) -> Any:
+        data = {f"k{i}": _tensor(rank, dt)[: i + 1] for i, dt in reversed(list(enumerate(dtypes)))}
+        return m.all_reduce_dict(data, op), data
+    return case
+
+
+def _all_reduce_params(coalesce: bool, bucket_size_mb: int, op: str) -> Case:
+    def case(m: Any, rank: int, world: int) -> Any:
+        params = [_tensor(rank, dt) for dt in (torch.int64, torch.float32, torch.int64, torch.float64)]
+        params += [torch.full((300_000,), float(rank + 1)), torch.nn.Parameter(torch.ones(3) * rank)]
+        return m.all_reduce_params((p for p in params), coalesce=coalesce, bucket_size_mb=bucket_size_mb,
+                                   op=op), params
+    return case
+
+
+def _tensor_calls(m: Any, rank: int, world: int) -> Any:
+    t = _tensor(rank, torch.float32)
+    gathered = m.gather(t, dst=1)
+    if gathered:
+        gathered[1].add_(100)  # mmengine's entries are copies: ``t`` stays as it was
+    b0, b1 = _tensor(rank, torch.int64), _tensor(rank, torch.float64).t()  # non-contiguous too
+    return (m.all_gather(t), m.gather(t), gathered, t, m.broadcast(b0, 0), b0, m.broadcast(b1, 1), b1)
+
+
+def _objects(m: Any, rank: int, world: int) -> Any:
+    obj = {"rank": rank, "t": torch.arange(3) * rank, "a": np.ones(2, np.float16) * rank}
+    items = [obj, "x"] if rank == 1 else [None, None]
+    return (m.all_gather_object(obj), m.gather_object(obj), m.gather_object(obj, dst=1),
+            m.broadcast_object_list(items, src=1), items)
+
+
+def _seed(m: Any, rank: int, world: int) -> Any:
+    np.random.seed(1234 + rank)  # rank 0's draw is everyone's
+    return m.sync_random_seed()
+
+
+def _collect(size: int, device: str, parts: list[list[Any]], tmpdir: bool = False) -> Case:
+    def case(m: Any, rank: int, world: int) -> Any:
+        where = None
+        if tmpdir:  # one directory on both ranks: mmengine writes there, and removes it on rank 0
+            where = [tempfile.mkdtemp() if rank == 0 else None]
+            m.broadcast_object_list(where)
+        got = m.collect_results(parts[rank], size, device=device, tmpdir=None if where is None else where[0])
+        m.barrier()
+        return got, None if where is None else os.path.exists(where[0])
+    return case
+
+
+def _who(m: Any, rank: int, world: int) -> Any:
+    import torch.distributed as dist
+
+    @m.master_only
+    def on_main(x: int) -> int:
+        return x + 1
+
+    return (m.get_dist_info(), m.get_rank(), m.get_world_size(), m.is_main_process(), m.is_distributed(),
+            m.get_backend(), m.get_default_group() is dist.group.WORLD, m.get_comm_device(), on_main(1),
+            m.barrier(), m.infer_launcher(), m.get_data_device({"a": torch.ones(1)}),
+            m.cast_data_device([torch.ones(2, dtype=torch.int32)], torch.device("cpu")))
+
+
+def _refused_by_both(m: Any, rank: int, world: int) -> Any:  # every rank passes it: no rank waits
+    calls = {"all_reduce op": lambda: m.all_reduce(torch.ones(1), "avg"),
+             "broadcast_object_list of a str": lambda: m.broadcast_object_list("foo"),
+             "all_reduce_dict of a str": lambda: m.all_reduce_dict("foo"),
+             "collect_results device": lambda: m.collect_results([1], 2, device="tpu"),
+             "collect_results gpu with tmpdir": lambda: m.collect_results([1], 2, device="gpu", tmpdir="x"),
+             "cast_data_device out of another type": lambda: m.cast_data_device([torch.ones(1)], "cpu", out=()),
+             "get_data_device of nothing": lambda: m.get_data_device([])}
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = "returned"
+        except Exception as e:
+            out[name] = next(c for c in type(e).__mro__ if c.__module__ == "builtins").__name__
+    return out
+
+
+CASES: dict[str, Case] = {
+    **{f"all_reduce {op} {dt}": _all_reduce(op, dt) for op in ("sum", "mean", "product", "MIN", "max")
+       for dt in INTS + FLOATS},
+    **{f"all_reduce {op} {dt}": _all_reduce(op, dt) for op in ("band", "bor", "bxor") for dt in INTS},
+    "all_reduce mean of negative ints (truncated)": _all_reduce_negative,
+    **{f"all_reduce_dict {op} {dts}": _all_reduce_dict(op, dts) for op in ("sum", "mean", "max")
+       for dts in ((torch.int64,), (torch.float32, torch.float32), (torch.int64, torch.float32))},
+    **{f"all_reduce_params coalesce={c} bucket={b} {op}": _all_reduce_params(c, b, op)
+       for c, b, op in ((True, -1, "sum"), (True, 1, "mean"), (False, -1, "mean"), (True, -1, "max"))},
+    "all_gather, gather, broadcast": _tensor_calls,
+    "object collectives": _objects,
+    "sync_random_seed": _seed,
+    "collect_results gpu": _collect(4, "gpu", [["foo", {1: 2}], [24, {"a": "b"}]]),
+    "collect_results cpu padding dropped": _collect(3, "cpu", [["foo", 2], [24, "pad"]], tmpdir=True),
+    "collect_results None dropped, uneven": _collect(9, "gpu", [[None, 1, 2], [3]]),
+    "who and where": _who,
+    "refused by both": _refused_by_both,
+}
+
+
+def _differential(comm: distcomm.Communicator) -> dict[str, Any]:
+    import mmengine.dist
+
+    return compare(CASES, mmengine.dist, compat, comm.rank, comm.world_size)
+
+
+@pytest.fixture(scope="module")
+def gloo_results() -> list[dict[str, Any]]:
+    return spawn(_differential, 2, timeout=240)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_compat_matches_mmengine_on_every_rank(gloo_results: list[dict[str, Any]], case: str) -> None:
+    assert [got[case] for got in gloo_results] == [None, None]
+
+
+SINGLE = {name: CASES[name] for name in ("all_reduce mean torch.int64", "all_reduce_dict mean (torch.int64,)",
+                                         "all_reduce_params coalesce=True bucket=1 mean", "object collectives",
+                                         "sync_random_seed", "collect_results gpu", "refused by both")}
+
+
+def test_compat_matches_mmengine_without_torch_distributed() -> None:
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    assert compare(SINGLE, mmengine_dist, compat, 0, 1) == dict.fromkeys(SINGLE)
+    assert (compat.get_dist_info(), compat.is_distributed(), compat.get_backend(), compat.get_local_group(),
+            compat.get_local_rank(), compat.get_local_size()) == ((0, 1), False, None, None, 0, 1)
+
+
+@pytest.mark.parametrize("name", mmengine_dist.__all__)
+def test_every_name_with_mmengines_signature(name: str) -> None:
+    ours, theirs = inspect.signature(getattr(compat, name)), inspect.signature(getattr(mmengine_dist, name))
+    assert list(ours.parameters) == list(theirs.parameters), name
+    assert [p.default for p in ours.parameters.values()] == [p.default for p in theirs.parameters.values()]
+    assert sorted(compat.__all__) == sorted(mmengine_dist.__all__)
+
+
+def _refused_on_one_rank(comm: distcomm.Communicator) -> dict[str, Any]:
+    r = comm.rank
+    return {  # rank 1 alone passes what mmengine refuses (mmengine raises there and leaves rank 0 waiting)
+        "broadcast_object_list": raised_alike(lambda: compat.broadcast_object_list("foo" if r else [1]),
+                                              AssertionError),
+        "all_reduce_dict": raised_alike(lambda: compat.all_reduce_dict("foo" if r else {"x": torch.ones(1)}),
+                                        AssertionError),
+        "all_reduce_dict values": raised_alike(
+            lambda: compat.all_reduce_dict({"x": 1.0 if r else torch.ones(1)}), TypeError),
+        "collect_results device": raised_alike(lambda: compat.collect_results([1], 2, "tpu" if r else "cpu"),
+                                               NotImplementedError),
+        "collect_results tmpdir": raised_alike(
+            lambda: compat.collect_results([1], 2, "gpu", tmpdir="x" if r else None), AssertionError),
+        "after": compat.all_gather_object(r),  # the communicator goes on
+    }
+
+
+def test_a_refused_argument_raises_mmengines_error_on_every_rank() -> None:
+    got = spawn(_refused_on_one_rank, 2, timeout=120)
+    for case in got[0]:
+        if case != "after":
+            assert got[0][case] == got[1][case] and "rank 1" in got[0][case][1], (case, got)
+    assert got[0]["after"] == [0, 1]
+
+
+def test_init_dist_refuses_what_it_cant_start() -> None:
+    with pytest.raises(ValueError, match="Invalid launcher type: local"):
+        compat.init_dist("local", backend="gloo")
+    with pytest.raises(TypeError, match="timeout in seconds"):
+        compat.init_dist("pytorch", backend="gloo", timeout="30")
+    with pytest.raises(ValueError, match="init_backend='torch' only"):
+        compat.init_dist("pytorch", init_backend="deepspeed")
+
+
+@pytest.mark.parametrize("launcher, env, want", [
+    ("slurm", {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_NODELIST": "n[1-2]", "SLURM_LOCALID": "1",
+               "MASTER_ADDR": "n1"},
+     {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "n1", "MASTER_PORT": "29500"}),
+    ("mpi", {"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+             "MASTER_ADDR": "h0", "MASTER_PORT": "1234"},
+     {"RANK": "2", "WORLD_SIZE": "8", "MASTER_ADDR": "h0", "MASTER_PORT": "1234"}),
+])
+def test_init_dist_sets_torchruns_variables_as_mmengine_does(monkeypatch: pytest.MonkeyPatch, launcher: str,
+                                                             env: dict[str, str], want: dict[str, str]) -> None:
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    started = []
+    monkeypatch.setattr(compat, "_start", lambda backend, timeout: started.append((backend, timeout)))
+    compat.init_dist(launcher, backend="gloo", timeout=30)
+    assert started == [("gloo", 30)]
+    assert {var: os.environ[var] for var in want} == want
+    assert compat.infer_launcher() == "pytorch"  # WORLD_SIZE is set now, as after mmengine's
