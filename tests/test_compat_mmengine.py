@@ -213,23 +213,30 @@ def test_init_dist_refuses_what_it_cant_start() -> None:
         compat.init_dist("pytorch", init_backend="deepspeed")
 
 
-@pytest.mark.parametrize("launcher, env, want", [
-    ("slurm", {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_NODELIST": "n[1-2]", "SLURM_LOCALID": "1",
-               "MASTER_ADDR": "n1"},
-     {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "n1", "MASTER_PORT": "29500"}),
+@pytest.mark.parametrize("launcher, env, inferred", [
+    ("slurm", {"SLURM_JOB_ID": "9", "SLURM_STEP_ID": "0", "SLURM_PROCID": "3", "SLURM_NTASKS": "4",
+               "SLURM_NODELIST": "n[1-2]", "SLURM_LOCALID": "1", "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_NODEID": "1"},
+     "slurm"),
     ("mpi", {"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
-             "MASTER_ADDR": "h0", "MASTER_PORT": "1234"},
-     {"RANK": "2", "WORLD_SIZE": "8", "MASTER_ADDR": "h0", "MASTER_PORT": "1234"}),
+             "OMPI_COMM_WORLD_LOCAL_SIZE": "4", "MASTER_ADDR": "h0", "MASTER_PORT": "1234"}, "mpi"),
+    ("pytorch", {"TORCHELASTIC_RUN_ID": "r", "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}, "pytorch"),
 ])
-def test_init_dist_sets_torchruns_variables_as_mmengine_does(monkeypatch: pytest.MonkeyPatch, launcher: str,
-                                                             env: dict[str, str], want: dict[str, str]) -> None:
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(var, raising=False)
+def test_init_dist_starts_from_the_launchers_variables(monkeypatch: pytest.MonkeyPatch, launcher: str,
+                                                       env: dict[str, str], inferred: str) -> None:
+    """Read as distcomm.from_env reads them: nothing copied into os.environ (mmengine copies
+    Slurm's and Open MPI's into torchrun's), but an explicit port, as mmengine writes it."""
+    for var in list(os.environ):
+        if var.startswith(("SLURM_", "OMPI_", "PMI_", "MV2_", "TORCHELASTIC_")) or var in (
+                "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            monkeypatch.delenv(var)
     for var, value in env.items():
         monkeypatch.setenv(var, value)
     started = []
-    monkeypatch.setattr(compat, "_start", lambda backend, timeout: started.append((backend, timeout)))
+    monkeypatch.setattr(compat, "from_env", lambda backend, timeout: started.append((backend, timeout)))
+    before = dict(os.environ)
     compat.init_dist(launcher, backend="gloo", timeout=30)
-    assert started == [("gloo", 30)]
-    assert {var: os.environ[var] for var in want} == want
-    assert compat.infer_launcher() == "pytorch"  # WORLD_SIZE is set now, as after mmengine's
+    assert started == [("gloo", 30)] and dict(os.environ) == before
+    assert compat.infer_launcher() == inferred
+    compat.init_dist(launcher, backend="gloo", port=29555)
+    assert os.environ["MASTER_PORT"] == "29555"

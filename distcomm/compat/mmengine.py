@@ -19,7 +19,6 @@ import functools
 import itertools
 import os
 import shutil
-import subprocess
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
@@ -35,9 +34,10 @@ from .._api import get_world_size as _world_size
 from .._calls import Op
 from .._communicator import Communicator
 from .._context import active, current
+from .._launch import from_env
+from .._launchers import detect
 from .._local import LocalCommunicator
 from .._ops import op_name
-from .._torch import GlooCommunicator, NcclCommunicator
 from . import torch as _objects
 from ._common import communicator, refuse, root_rank, translated
 
@@ -200,24 +200,30 @@ def cast_data_device(data: Any, device: torch.device, out: Any = None) -> Any:
 # ---------------------------------------------------------------------------------- starting a job
 
 
+# distcomm's launcher names as mmengine's
+_MMENGINE_LAUNCHERS = {"torchrun": "pytorch", "env": "pytorch", "slurm": "slurm", "openmpi": "mpi", "mpich": "mpi",
+                       "mvapich": "mpi", "python": "none"}
+
+
 def infer_launcher() -> str:
-    """Who started this process: "pytorch" (torchrun), "slurm", "mpi" (Open MPI) or "none"."""
-    launchers = (("WORLD_SIZE", "pytorch"), ("SLURM_NTASKS", "slurm"), ("OMPI_COMM_WORLD_LOCAL_RANK", "mpi"))
-    return next((name for var, name in launchers if var in os.environ), "none")
+    """Who started this process: "pytorch" (torchrun, or RANK / WORLD_SIZE set), "slurm" (srun),
+    "mpi" (Open MPI, MPICH, Intel MPI, MVAPICH) or "none", as ``distcomm.from_env`` finds it."""
+    return _MMENGINE_LAUNCHERS[detect().launcher]
 
 
 def init_dist(launcher: str, backend: str = "nccl", init_backend: str = "torch", **kwargs: Any) -> None:
     """Start this process's communicator from its launcher's environment, as the process-wide default.
 
     Args:
-        launcher: "pytorch" (torchrun), "slurm" or "mpi".
+        launcher: "pytorch" (torchrun), "slurm" or "mpi". The variables are read as
+            ``distcomm.from_env`` reads them whatever this says (every launcher it knows, explicit
+            MASTER_ADDR / MASTER_PORT winning), so nothing is copied into ``os.environ``.
         backend: "nccl" or "gloo".
         init_backend: "torch" only (mmengine also takes "deepspeed" and "colossalai").
-        kwargs: ``timeout`` in seconds; for "slurm", ``port`` (else MASTER_PORT, else 29500).
+        kwargs: ``timeout`` in seconds; ``port``, as mmengine takes it for "slurm": the rendezvous
+            port (written to MASTER_PORT, as mmengine does; else one derived from the job id).
 
-    As mmengine's, for "slurm" and "mpi" it sets the torchrun variables (RANK, WORLD_SIZE,
-    MASTER_ADDR, MASTER_PORT; LOCAL_RANK for Slurm) in ``os.environ`` from the launcher's, and it
-    makes "spawn" multiprocessing's start method when none is set.
+    As mmengine's, it makes "spawn" multiprocessing's start method when none is set.
     """
     timeout = kwargs.pop("timeout", None)
     if timeout is not None and not isinstance(timeout, (int, float, datetime.timedelta)):
@@ -232,45 +238,10 @@ def init_dist(launcher: str, backend: str = "nccl", init_backend: str = "torch",
         raise ValueError(f"Invalid launcher type: {launcher}")
     if mp.get_start_method(allow_none=True) is None:
         mp.set_start_method("spawn")
-    if launcher == "slurm":
-        _torchrun_variables_from_slurm(kwargs.pop("port", None))
-    elif launcher == "mpi":
-        _torchrun_variables_from_mpi()
-    _start(backend, timeout)
-
-
-def _start(backend: str, timeout: float | datetime.timedelta | None) -> Communicator:
-    """The job's communicator from the torchrun variables (made the process-wide default)."""
-    cls = NcclCommunicator if backend == "nccl" else GlooCommunicator
-    return cls.from_env(timeout=timeout)  # type: ignore[no-any-return]
-
-
-def _torchrun_variables_from_slurm(port: int | None) -> None:
-    """Slurm's variables as torchrun's, as mmengine sets them (MASTER_ADDR: the first host of the job)."""
-    env = os.environ
+    port = kwargs.pop("port", None)
     if port is not None:
-        env["MASTER_PORT"] = str(port)
-    env.setdefault("MASTER_PORT", "29500")  # torch.distributed's default port
-    if "MASTER_ADDR" not in env:
-        hosts = subprocess.run(["scontrol", "show", "hostnames", env["SLURM_NODELIST"]], capture_output=True,
-                               text=True, check=True).stdout.split()
-        env["MASTER_ADDR"] = hosts[0]
-    env["WORLD_SIZE"] = env["SLURM_NTASKS"]
-    env["RANK"] = env["SLURM_PROCID"]
-    local = env.get("SLURM_LOCALID")
-    if local is None:  # one rank per GPU, as mmengine assumes
-        local = str(int(env["SLURM_PROCID"]) % max(torch.cuda.device_count(), 1))
-    env["LOCAL_RANK"] = local
-
-
-def _torchrun_variables_from_mpi() -> None:
-    """Open MPI's variables as torchrun's, as mmengine sets them (MASTER_ADDR must be set)."""
-    env = os.environ
-    env.setdefault("MASTER_PORT", "29500")
-    if "MASTER_ADDR" not in env:
-        raise KeyError("The environment variable MASTER_ADDR is not set")
-    env["WORLD_SIZE"] = env["OMPI_COMM_WORLD_SIZE"]
-    env["RANK"] = env["OMPI_COMM_WORLD_RANK"]
+        os.environ["MASTER_PORT"] = str(port)
+    from_env(backend, timeout=timeout)
 
 
 # ---------------------------------------------------------------------------------- tensors, in place
