@@ -61,9 +61,9 @@ class LaunchEnv:
         return self.launcher in ("torchrun", "slurm")
 
     def describe(self) -> str:
-        """e.g. ``slurm (srun) rank 3 of 8, local 1 of 2 on node 1 of 4``."""
-        return (f"{self.launcher} rank {self.rank} of {self.world_size}, local {self.local_rank} of "
-                f"{self.local_size} on node {self.node_rank} of {self.num_nodes}")
+        """e.g. ``rank 3 of 8, local 1 of 2 on node 1 of 4``."""
+        return (f"rank {self.rank} of {self.world_size}, local {self.local_rank} of {self.local_size} "
+                f"on node {self.node_rank} of {self.num_nodes}")
 
 
 def detect(environ: Mapping[str, str] | None = None) -> LaunchEnv:
@@ -78,10 +78,11 @@ def detect(environ: Mapping[str, str] | None = None) -> LaunchEnv:
     if found is not None:
         return _checked(found)
     launchers = [f for f in (read(env) for read in (_openmpi, _hydra, _mvapich, _slurm)) if f is not None]
+    first = launchers[0] if launchers else None
     for other in launchers[1:]:  # e.g. mpirun inside an srun task: two jobs, not one
-        if (other.rank, other.world_size) != (launchers[0].rank, launchers[0].world_size):
-            raise ValueError(f"two launchers' variables disagree: {launchers[0].describe()}, but "
-                             f"{other.describe()}; start the processes with one launcher")
+        if first is not None and (other.rank, other.world_size) != (first.rank, first.world_size):
+            raise ValueError(f"two launchers' variables disagree: {first.launcher} says {first.describe()}, but "
+                             f"{other.launcher} says {other.describe()}; start the processes with one launcher")
     if launchers:
         return _checked(_with_explicit(launchers[0], env))
     if "RANK" in env or "WORLD_SIZE" in env:

@@ -176,7 +176,7 @@ def test_launch_refuses_what_does_not_add_up(no_launcher: None, monkeypatch: pyt
                         "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=r"asked for 4 processes per machine, but torchrun started this "
-                       r"process as torchrun rank 1 of 2, local 1 of 2.*--nproc-per-node 4"):
+                       r"process as rank 1 of 2, local 1 of 2.*--nproc-per-node 4"):
         distcomm.launch(print, 4)
     with pytest.raises(ValueError, match=r"num_machines=3\) contradicts the launcher"):
         distcomm.launch(print, 2, num_machines=3, dist_url="tcp://127.0.0.1:1")
