@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import multiprocessing
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -59,7 +60,9 @@ def current() -> Communicator:
 
     Raises:
         CommunicatorStateError: none is set up, and a launcher started this process as one of
-            several (torchrun, srun, mpirun): a world of one would silently compute alone. Setting
+            several (torchrun, srun, mpirun): a world of one would silently compute alone. (A
+            process a rank started with multiprocessing, such as a data loader's worker, gets a
+            LocalCommunicator.) Setting
             one up is left to the script (``distcomm.from_env()``): it connects to a rendezvous and
             picks a backend and a timeout, which a getter shouldn't do behind the user's back, and a
             rank that never called a helper would leave the others waiting for the timeout.
@@ -85,7 +88,9 @@ def current() -> Communicator:
         _implicit.append((default, implicit))
         return implicit
     env = detect()
-    if env.world_size > 1:
+    # a process Python's multiprocessing started (a data loader's worker) inherits the launcher's
+    # variables but is a helper of its rank, not a rank: a world of one, as before
+    if env.world_size > 1 and multiprocessing.parent_process() is None:
         raise CommunicatorStateError(
             f"no distcomm communicator is set up, and {env.launcher} started this process as rank {env.rank} "
             f"of {env.world_size}: alone, it would compute as a world of one. Set one up once at the start "

@@ -391,13 +391,19 @@ def _machines_under(env: LaunchEnv, per_machine: int, num_machines: int, machine
     """How launch() fits a launcher's world: None to run here (it started this machine's processes),
     else (machines, this machine's rank, URL) to start ``per_machine`` here (it started one)."""
     saw = f"{env.launcher} started this process as {env.describe()}"
-    for name, given, launchers in (("num_machines", num_machines, env.num_nodes),
-                                   ("machine_rank", machine_rank, env.node_rank)):
-        if given not in (launchers, (1 if name == "num_machines" else 0)):
+    for name, given, launchers, default in (("num_machines", num_machines, env.num_nodes, 1),
+                                            ("machine_rank", machine_rank, env.node_rank, 0)):
+        if given != default and launchers is not None and given != launchers:
             raise ValueError(f"launch(..., {name}={given}) contradicts the launcher: {saw}")
+    if not env.even:  # some machines would run main here, others start processes: two worlds
+        raise ValueError(f"launch() needs the same number of processes on every machine, but {saw}, and "
+                         f"{env.launcher} started other counts on other machines")
+    if env.local_size is None:
+        raise ValueError(f"launch() can't tell how many processes {env.launcher} started on this machine ({saw}): "
+                         f"set LOCAL_WORLD_SIZE")
     if env.local_size == per_machine:
         return None
-    if env.local_size != 1:
+    if env.local_size != 1 or env.node_rank is None:
         raise ValueError(
             f"launch() was asked for {per_machine} processes per machine, but {saw}: start {per_machine} "
             f"per machine with the launcher (torchrun --nproc-per-node {per_machine}, srun --ntasks-per-node "
@@ -413,7 +419,7 @@ def _machines_under(env: LaunchEnv, per_machine: int, num_machines: int, machine
     problem = unreachable_here(parse_url(dist_url)[0])
     if problem:  # refused before starting anything: each of gloo's connections would wait for the timeout
         raise CommunicatorStateError(f"launch() under {env.launcher} across machines: {problem}")
-    return env.world_size, env.rank, dist_url
+    return env.world_size, env.node_rank, dist_url
 
 
 def _run_here(env: LaunchEnv, main_func: Callable[..., Any], args: Sequence[Any], seconds: float,

@@ -7,7 +7,9 @@ distcomm makes the store itself rather than hand torch a URL, for three reasons:
 - under torchrun's static rendezvous the agent keeps one store across restarts, and the workers'
   keys carry no attempt number: a restarted rank can read a dead peer's address and fail to connect
   (torch's own initialisation fails about half of the restarts that way). Our keys live under the
-  run id and the restart count;
+  job (the launcher's job id; torchrun's run id and restart count), its world size, and a generation
+  counted in the store, so a second rendezvous in one attempt, or another job that happens onto the
+  same port, never reads this one's keys;
 - every wait is bounded by the timeout and, when it runs out, names the ranks that never came.
 """
 
@@ -16,19 +18,16 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import threading
 import time
 import urllib.parse
 from typing import Any
 
 import torch
 
-from ._errors import CollectiveTimeoutError, CommunicatorStateError
+from ._errors import CollectiveTimeoutError, CommunicatorStateError, DistCommError, PeerError
 
 __all__ = ["open_store", "parse_url", "unreachable_here"]
-
-_ARRIVED = "distcomm/arrived"
-_ALL_HERE = "distcomm/all-here"
-
 
 def parse_url(url: str) -> tuple[str, int]:
     """``tcp://host:port`` (IPv6 hosts in brackets) as (host, port)."""
@@ -42,12 +41,13 @@ def parse_url(url: str) -> tuple[str, int]:
     return parts.hostname, port
 
 
-def open_store(host: str, port: int, rank: int, world: int, seconds: float, *, prefix: str = "",
+def open_store(host: str, port: int, rank: int, world: int, seconds: float, *, scope: str = "",
                hosted: bool = True, what: str = "the rendezvous") -> Any:
-    """The job's store at ``host:port``, once every rank has reached it.
+    """The job's store at ``host:port``, once every rank of this generation has reached it.
 
-    Rank 0 hosts it unless ``hosted`` is False (a torchrun agent already does); ``prefix`` keeps
-    this attempt's keys apart from an earlier attempt's in a store that outlives it.
+    Rank 0 hosts it unless ``hosted`` is False (a torchrun agent already does). Keys live under
+    ``scope`` and ``world``; each rendezvous there is a new generation (the arrivals counted so far,
+    divided by ``world``), and the store returned is that generation's, for the group's own keys.
 
     Raises:
         CollectiveTimeoutError: the store or some ranks didn't come within ``seconds``; names them.
@@ -55,37 +55,77 @@ def open_store(host: str, port: int, rank: int, world: int, seconds: float, *, p
     """
     deadline = time.monotonic() + seconds
     where = f"{what} at {host}:{port}"
-    base = _connect(host, port, rank, world, seconds, hosted, where)
-    store = torch._C._distributed_c10d.PrefixStore(prefix, base) if prefix else base
-    store.set(f"{_ARRIVED}/{rank}", f"{socket.gethostname()} pid {os.getpid()}")
-    if store.add(_ARRIVED, 1) == world:
-        store.set(_ALL_HERE, "1")
+    job = _c10d().PrefixStore(f"distcomm/{scope}/world-{world}", _connect(host, port, rank, world, seconds, hosted,
+                                                                         where))
+    generation = (job.add("arrivals", 1) - 1) // world
+    store = _c10d().PrefixStore(f"generation-{generation}", job)
+    store.set(f"arrived/{rank}", f"{socket.gethostname()} pid {os.getpid()}")
+    if store.add("arrivals", 1) == world:
+        store.set("all-here", "1")
     try:
-        store.wait([_ALL_HERE], datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
-    except Exception as e:
-        missing = [r for r in range(world) if not store.check([f"{_ARRIVED}/{r}"])]
-        raise CollectiveTimeoutError(
-            f"{where} did not complete within {seconds:g} s: rank {rank} waited for rank(s) "
-            f"{_ranks(missing)} of {world}, which never arrived (not started, or started with other "
-            f"variables)", op="rendezvous", ranks=missing) from e
-    return store
+        store.wait(["all-here"], datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+    except Exception:
+        error = _missing(store, rank, world, seconds, where)
+    else:
+        return store
+    # the error's traceback holds this frame: let go of the store here, so rank 0's port is free again
+    job = store = None
+    raise error
+
+
+def _missing(store: Any, rank: int, world: int, seconds: float, where: str) -> DistCommError:
+    """What the wait for the other ranks ran into: who never arrived, or the host went away."""
+    try:
+        missing = [r for r in range(world) if not store.check([f"arrived/{r}"])]
+    except Exception:
+        return PeerError(f"{where} went away while rank {rank} waited for the other ranks: its host (rank 0) "
+                         f"ended or lost its connection", op="rendezvous", ranks=[0])
+    return CollectiveTimeoutError(
+        f"{where} did not complete within {seconds:g} s: rank {rank} waited for rank(s) {_ranks(missing)} of "
+        f"{world}, which never arrived (not started, or started with other variables)", op="rendezvous",
+        ranks=missing)
 
 
 def _connect(host: str, port: int, rank: int, world: int, seconds: float, hosted: bool, where: str) -> Any:
-    timeout = datetime.timedelta(seconds=seconds)
+    """A store client (rank 0's is also the server) within ``seconds``.
+
+    torch's client waits for the server's answer without a limit: a port where something else
+    listens would hold it forever, so it is made on a helper thread (the call releases the GIL) and
+    given up on, with the thread, when the time is over.
+    """
     master = hosted and rank == 0
-    try:
-        return torch._C._distributed_c10d.TCPStore(host, port, world, master, timeout, wait_for_workers=False)
-    except Exception as e:
-        if master:
-            raise CommunicatorStateError(
-                f"rank 0 could not open {where} ({e}); the port may be held by another job: "
-                f"set MASTER_PORT to a free port on every rank") from e
-        host_role = "its host (rank 0)" if hosted else "the launcher's store"
-        raise CollectiveTimeoutError(
-            f"{where} did not complete within {seconds:g} s: rank {rank} could not reach {host_role} "
-            f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})",
-            op="rendezvous", ranks=[0]) from e
+    made: list[Any] = []
+
+    def make() -> None:
+        try:
+            made.append(_c10d().TCPStore(host, port, world, master, datetime.timedelta(seconds=seconds),
+                                         wait_for_workers=False))
+        except BaseException as e:
+            made.append(e)
+
+    helper = threading.Thread(target=make, name="distcomm-rendezvous", daemon=True)
+    helper.start()
+    helper.join(seconds + 5.0)  # the client's own connect gives up at ``seconds``; the answer may lag
+    if made and not isinstance(made[0], BaseException):
+        return made[0]
+    error = made[0] if made else None
+    if master:
+        raise CommunicatorStateError(
+            f"rank 0 could not open {where} ({error}); the port may be held by another job: "
+            f"set MASTER_PORT to a free port on every rank") from error
+    if error is None:
+        reason = "something listens there but doesn't answer as a rendezvous store: set MASTER_PORT"
+    else:
+        lines = str(error).strip().splitlines()
+        reason = f"{type(error).__name__}: {lines[0] if lines else ''}"
+    host_role = "its host (rank 0)" if hosted else "the launcher's store"
+    raise CollectiveTimeoutError(
+        f"{where} did not complete within {seconds:g} s: rank {rank} could not reach {host_role} ({reason})",
+        op="rendezvous", ranks=[0]) from error
+
+
+def _c10d() -> Any:
+    return torch._C._distributed_c10d
 
 
 def unreachable_here(master: str) -> str:

@@ -40,30 +40,29 @@ def start_from(cls: type[_TorchCommunicator], env: LaunchEnv, *,
     if dist.is_initialized():
         raise CommunicatorStateError(
             f"torch.distributed is already initialized; use {cls.__name__}() to adopt its default group")
-    if env.master_addr is None:
-        raise CommunicatorStateError(f"{cls.__name__}.from_env(): {env.address_problem}")
-    problem = unreachable_here(env.master_addr) if env.local_size < env.world_size else ""
+    if env.master_addr is None or (env.master_port is None and env.world_size > 1):
+        raise CommunicatorStateError(f"{cls.__name__}.from_env(): {env.address_problem or 'set MASTER_PORT'}")
+    spans_machines = env.local_size is not None and env.local_size < env.world_size
+    problem = unreachable_here(env.master_addr) if spans_machines else ""
     if problem:  # refused before connecting: otherwise each of gloo's connections waits for the timeout
         raise CommunicatorStateError(f"{cls.__name__}.from_env() under {env.launcher} across machines: {problem}")
     host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr
     port = env.master_port or free_port()  # a world of one: any free port
-    if env.knows_nodes:
+    if env.node_rank is not None:
         kwargs.setdefault("machine", env.node_rank)
-    # torchrun's agent hosts the store and keeps it across restarts: each attempt gets its own keys
-    prefix = f"distcomm/attempt-{env.restart}" if env.launcher == "torchrun" else ""
     return start_world(cls, f"tcp://{host}:{port}", env.rank, env.world_size, env.local_rank, timeout=timeout,
-                       prefix=prefix, hosted=env.launcher != "torchrun", launcher=env.launcher, **kwargs)
+                       scope=env.job, hosted=not env.launcher_store, launcher=env.launcher, **kwargs)
 
 
 def start_world(
     cls: type[_TorchCommunicator], url: str, rank: int, world: int, local_rank: int, *,
-    timeout: float | datetime.timedelta | None = None, prefix: str = "", hosted: bool = True,
+    timeout: float | datetime.timedelta | None = None, scope: str = "", hosted: bool = True,
     launcher: str | None = None, **kwargs: Any,
 ) -> Any:
     """Initialize torch.distributed's default group and return a ``cls`` communicator that owns it.
 
     The one place that starts a job's group: used by ``from_env``, ``launch`` and
-    ``distcomm.testing.spawn``. ``url`` (tcp://host:port), ``prefix`` and ``hosted`` say where the
+    ``distcomm.testing.spawn``. ``url`` (tcp://host:port), ``scope`` and ``hosted`` say where the
     ranks meet (see ``open_store``); ``launcher`` names what started the process. For NCCL it binds
     ``cuda:<local_rank % device_count>`` first. If the communicator can't be built, the group is
     destroyed again. The communicator becomes the process-wide default (``distcomm.current()`` in
@@ -73,7 +72,7 @@ def start_world(
     assert seconds is not None
     td = datetime.timedelta(seconds=seconds)
     host, port = parse_url(url)
-    store = open_store(host, port, rank, world, seconds, prefix=prefix, hosted=hosted,
+    store = open_store(host, port, rank, world, seconds, scope=scope, hosted=hosted,
                        what=f"{launcher}'s rendezvous" if launcher else "the rendezvous")
     if cls.backend == "nccl":
         if not torch.cuda.is_available():

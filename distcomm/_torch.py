@@ -88,7 +88,7 @@ def _machine_key(machine: str | int | None) -> str:
         env = detect()
     except ValueError:  # contradictory launcher variables: the host name still tells machines apart
         return f"host:{socket.gethostname()}"
-    return f"node:{env.node_rank}" if env.knows_nodes else f"host:{socket.gethostname()}"
+    return f"node:{env.node_rank}" if env.node_rank is not None else f"host:{socket.gethostname()}"
 
 
 class _TorchCommunicator(Communicator):

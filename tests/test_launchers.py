@@ -4,8 +4,10 @@ The real launchers (srun, sbatch, mpirun, torchrun with restarts) run in tests/l
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -46,12 +48,19 @@ def test_plain_python_is_a_world_of_one() -> None:
     assert not env.started_by_launcher
 
 
+_TORCHRUN = {"TORCHELASTIC_RUN_ID": "x", "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": "29500"}
+
+
 def test_torchrun() -> None:
     env = detect({"TORCHELASTIC_RUN_ID": "x", "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
                   "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2", "MASTER_ADDR": "n0",
                   "MASTER_PORT": "29500", "TORCHELASTIC_RESTART_COUNT": "2",
                   **_srun(1, SLURM_STEP_NUM_TASKS="2")})  # torchrun inside an srun task: torchrun's ranks
-    assert env == LaunchEnv("torchrun", 3, 4, 1, 2, 1, 2, "n0", 29500, restart=2)
+    assert (env.launcher, env.rank, env.world_size, env.local_rank, env.local_size, env.node_rank, env.num_nodes,
+            env.master_addr, env.master_port, env.restart) == ("torchrun", 3, 4, 1, 2, 1, 2, "n0", 29500, 2)
+    assert env.job == "torchrun-x-attempt-2" and not env.launcher_store  # the agent's store: only when it says
+    assert detect({**dict(_TORCHRUN), "TORCHELASTIC_USE_AGENT_STORE": "True"}).launcher_store
 
 
 def test_srun_across_nodes_all_ranks_agree_on_the_rendezvous() -> None:
@@ -85,13 +94,23 @@ def test_mpirun_on_one_machine_and_across_machines() -> None:
     assert (across.rank, across.local_rank, across.local_size, across.master_addr) == (5, 1, 4, None)
     assert "mpirun -x MASTER_ADDR" in across.address_problem
     assert detect(_ompi(5, 8, 4, MASTER_ADDR="node0")).master_addr == "node0"
-    # mpirun inside an sbatch script: the script's SLURM_PROCID=0 doesn't count
+    # mpirun inside an sbatch script: the script's SLURM_PROCID=0 doesn't count; nor, inside an srun
+    # step (srun --pty bash; the one-task steps Open MPI starts its daemons with), the step's
     assert detect({**_ompi(3, 4, 4), "SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_NTASKS": "4"}).rank == 3
+    in_step = detect({**_srun(0, SLURM_STEP_NUM_TASKS="1", SLURM_STEP_TASKS_PER_NODE="1"), **_ompi(3, 4, 4)})
+    assert (in_step.launcher, in_step.rank, in_step.world_size) == ("openmpi", 3, 4)
+    # uneven ranks per node (8 and 4 slots): no node index is guessed
+    uneven = detect(_ompi(11, 12, 4, OMPI_MCA_orte_num_nodes="2"))
+    assert (uneven.rank, uneven.local_size, uneven.node_rank, uneven.num_nodes) == (11, 4, None, None)
+    one_each = detect(_ompi(3, 4, 1, OMPI_MCA_orte_num_nodes="4"))
+    assert (one_each.node_rank, one_each.num_nodes) == (3, 4)
 
 
 def test_hydra_and_mvapich() -> None:
     env = detect({"PMI_RANK": "2", "PMI_SIZE": "4", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "2"})
     assert (env.launcher, env.rank, env.world_size, env.local_size, env.master_addr) == ("mpich", 2, 4, 2, None)
+    # Hydra names no job id: across machines each node's parent differs, so the port must be given too
+    assert "set MASTER_ADDR and MASTER_PORT" in env.address_problem
     env = detect({"MV2_COMM_WORLD_RANK": "1", "MV2_COMM_WORLD_SIZE": "2", "MV2_COMM_WORLD_LOCAL_RANK": "1",
                   "MV2_COMM_WORLD_LOCAL_SIZE": "2"})
     assert (env.launcher, env.rank, env.master_addr) == ("mvapich", 1, "127.0.0.1")
@@ -100,7 +119,16 @@ def test_hydra_and_mvapich() -> None:
 def test_explicit_variables_of_a_job_controller() -> None:
     """Kubernetes' PyTorchJob without torchrun: one process per pod."""
     env = detect({"RANK": "2", "WORLD_SIZE": "3", "MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456"})
-    assert env == LaunchEnv("env", 2, 3, 0, 1, 2, 3, "job-master-0", 23456)
+    assert (env.launcher, env.rank, env.world_size, env.local_rank, env.local_size, env.node_rank, env.num_nodes,
+            env.master_addr, env.master_port) == ("env", 2, 3, 0, 1, 2, 3, "job-master-0", 23456)
+    assert not env.address_problem
+    # a launcher that sets LOCAL_RANK with LOCAL_SIZE (DeepSpeed's), or with no local size at all
+    env = detect({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_SIZE": "2", "MASTER_ADDR": "h",
+                  "MASTER_PORT": "1"})
+    assert (env.local_rank, env.local_size, env.node_rank) == (1, 2, None)
+    env = detect({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "3", "MASTER_ADDR": "h", "MASTER_PORT": "1"})
+    assert (env.local_rank, env.local_size) == (3, None)
+    assert "MASTER_PORT" in detect({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h"}).address_problem
 
 
 @pytest.mark.parametrize(("env", "message"), [
@@ -111,7 +139,8 @@ def test_explicit_variables_of_a_job_controller() -> None:
     (_srun(1, SLURM_STEP_TASKS_PER_NODE="2x4"), r"tasks per node '2x4'"),
     (_srun(1, SLURM_NODEID="7"), r"SLURM_NODEID=7 is out of range"),
     (_srun(1, SLURM_PROCID="x"), r"SLURM_PROCID='x' is not an integer"),
-    ({**_ompi(1, 4, 4), **_srun(3, SLURM_STEP_NUM_TASKS="4")}, r"two launchers' variables disagree"),
+    ({**_ompi(1, 4, 4), "PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "3", "MPI_LOCALNRANKS": "4"},
+     r"two launchers' variables disagree: openmpi says rank 1 of 4.* but mpich says rank 3 of 4"),
     (_ompi(1, 4, 8), r"local size 8 larger than the world size 4"),
     ({"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, r"MASTER_PORT is not set"),
     ({"RANK": "2", "WORLD_SIZE": "2"}, r"rank 2 out of range"),
@@ -184,3 +213,39 @@ def test_launch_refuses_what_does_not_add_up(no_launcher: None, monkeypatch: pyt
     monkeypatch.setenv("LOCAL_RANK", "0")
     with pytest.raises(ValueError, match=r"run torchrun --nproc-per-node 2 instead"):
         distcomm.launch(print, 2)
+
+
+def test_from_env_without_a_port_is_refused_at_once(no_launcher: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each rank would pick a port of its own and wait for the timeout."""
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(distcomm.CommunicatorStateError, match="set MASTER_ADDR and MASTER_PORT"):
+        distcomm.from_env(timeout=5)
+
+
+def test_launch_refuses_other_counts_on_other_machines(no_launcher: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """srun -N2 -n3: node 0 would run main here in a world of 3, node 1 start 2 in a world of 6."""
+    for name, value in _srun(2, SLURM_STEP_NUM_TASKS="3", SLURM_STEP_TASKS_PER_NODE="2,1", SLURM_NODEID="1",
+                             SLURM_LOCALID="0", SLURM_STEP_NODELIST="n[1-2]").items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match="same number of processes on every machine"):
+        distcomm.launch(print, 2)
+
+
+def _world_seen_by_a_worker(queue: Any) -> None:
+    queue.put(distcomm.get_world_size())
+
+
+def test_a_ranks_multiprocessing_worker_is_a_world_of_one(no_launcher: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A data loader's worker inherits the launcher's variables but is no rank of its own."""
+    for name, value in _srun(1).items():
+        monkeypatch.setenv(name, value)
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    worker = context.Process(target=_world_seen_by_a_worker, args=(queue,))
+    worker.start()
+    try:
+        assert queue.get(timeout=60) == 1
+    finally:
+        worker.join(30)
+        worker.kill()

@@ -80,3 +80,37 @@ def test_a_rendezvous_that_cannot_complete_names_who_it_waited_for(tmp_path: Pat
     assert result.returncode != 0
     assert "CollectiveTimeoutError: torchrun's rendezvous at 127.0.0.1" in result.stdout, result.stdout[-3000:]
     assert "did not complete within 5 s: rank 0 waited for rank(s) 1 of 2" in result.stdout
+
+
+TWICE = textwrap.dedent("""
+    import os, time
+    import distcomm
+
+    for round_ in range(2):
+        if round_ == 1 and os.environ["RANK"] == "0":
+            time.sleep(3)  # rank 1 reaches the second rendezvous first, where the first's keys still are
+        with distcomm.from_env(timeout=30) as comm:
+            print(f"ROUND {round_} rank {comm.rank}: {comm.all_gather((round_, comm.rank))}", flush=True)
+""")
+
+
+def test_two_rendezvous_in_one_attempt(tmp_path: Path) -> None:
+    """close(), then from_env() again in the same torchrun attempt: the second meets afresh (it
+    used to read the first one's addresses and fail after the timeout several times over)."""
+    script = tmp_path / "twice.py"
+    script.write_text(TWICE)
+    result = _torchrun(script)
+    assert result.returncode == 0, result.stdout[-4000:]
+    for round_ in range(2):
+        for r in range(2):
+            assert f"ROUND {round_} rank {r}: [({round_}, 0), ({round_}, 1)]" in result.stdout
+
+
+def test_a_rendezvous_whose_agent_does_not_share_its_store(scripts: Path) -> None:
+    """torchrun's c10d rendezvous with the agent's store not shared (as with etcd, or custom
+    handlers): rank 0 hosts the workers' store, as torch's own initialisation does."""
+    result = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                  "--rdzv-endpoint", f"127.0.0.1:{distcomm.free_port()}", str(scripts / "who.py")],
+                 python_env({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}), scripts)
+    said = ranks_said(result, 2)
+    assert [(s["launcher"], s["gathered"]) for s in said] == [("torchrun", [0, 1])] * 2
