@@ -71,10 +71,9 @@ class Handle(Generic[_R]):
             raise self._error.with_traceback(self._traceback)
         return self._value  # type: ignore[no-any-return]
 
-    def _finish(self, value: Any, error: BaseException | None) -> None:
+    def _store(self, value: Any, error: BaseException | None) -> None:
         self._value, self._error = value, error
         self._traceback = error.__traceback__ if error is not None else None
-        self._event.set()
 
     def __repr__(self) -> str:
         state = ("failed" if self._error is not None else "done") if self._event.is_set() else "pending"
@@ -111,13 +110,16 @@ class Queue:
                 handle, fn = self._calls.popleft()
                 self._running = handle
                 self.site = handle._site
-            try:
-                handle._finish(fn(), None)
-            except BaseException as e:
-                handle._finish(None, e)
+            finished = _outcome(handle, fn)
+            # Let go of the call (its arguments, its result) before its handle says it is done: once
+            # the caller has it, the interpreter may exit, and a tensor freed from this daemon thread
+            # during finalisation aborts the process. And no longer count it as running, so that a
+            # close() right after wait() or done() finds nothing pending.
+            del handle, fn
             with self._cond:
                 self._running = None
                 self._cond.notify_all()
+            finished.set()
 
     def on_thread(self) -> bool:
         """Whether the caller is this queue's thread (running one of its calls)."""
@@ -137,6 +139,15 @@ class Queue:
         """Nothing queued, nothing running, no thread serving."""
         with self._cond:
             return not self._calls and self._running is None and not self._thread
+
+
+def _outcome(handle: Handle[Any], fn: Callable[[], Any]) -> threading.Event:
+    """Run ``fn`` and store its result or error in ``handle``; the event that tells its waiters."""
+    try:
+        handle._store(fn(), None)
+    except BaseException as e:
+        handle._store(None, e)
+    return handle._event
 
 
 LANES_KEPT = 64

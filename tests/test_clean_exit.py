@@ -1,0 +1,64 @@
+"""A job that succeeded exits 0, every time: programs run many times over, their exit codes counted.
+
+Aborts at interpreter exit ("terminate called without an active exception", status 134) came and
+went with the threads' timing, so one run shows little; each test counts the exit codes of many."""
+
+from __future__ import annotations
+
+import collections
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import distcomm
+
+RUNS = 12
+
+
+def _exit_codes(script: Path, source: str, ranks: int, runs: int = RUNS) -> collections.Counter[int]:
+    """Every process's exit code over ``runs`` runs of ``source``, each run ``ranks`` processes (with
+    argv: rank, world size, port)."""
+    script.write_text(source)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    codes: collections.Counter[int] = collections.Counter()
+    for _ in range(runs):
+        port = str(distcomm.free_port())
+        procs = [subprocess.Popen([sys.executable, str(script), str(r), str(ranks), port], cwd=script.parent,
+                                  env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                 for r in range(ranks)]
+        for p in procs:
+            try:
+                codes[p.wait(timeout=60)] += 1
+            except subprocess.TimeoutExpired:
+                p.kill()
+                codes[p.wait()] += 1
+    return codes
+
+
+ASYNC = textwrap.dedent("""
+    import sys
+    import torch
+    from distcomm.testing import run_threaded
+
+    sys.setswitchinterval(1e-5)  # the worker's last steps and the interpreter's exit, interleaved
+
+    def fn(comm):
+        w = torch.randn(1000, requires_grad=True)
+        handles = [comm.all_gather_tensor(w * 2, async_op=True) for _ in range(4)]
+        handles += [comm.all_gather({"x": torch.ones(10)}, async_op=True) for _ in range(2)]
+        return [h.wait() is not None for h in handles]
+
+    assert run_threaded(fn, 2)[0] == [True] * 6
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_program_whose_async_calls_were_waited_on_exits_0(tmp_path: Path) -> None:
+    codes = _exit_codes(tmp_path / "job.py", ASYNC, ranks=1, runs=2 * RUNS)
+    assert codes == {0: 2 * RUNS}, codes
+
