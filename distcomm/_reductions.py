@@ -55,7 +55,16 @@ def as_tensors(input_dict: Mapping[Any, Any]) -> Mapping[Any, Any]:
     """The dict with its Python numbers and numpy scalars as 0-d tensors (the ``loss.item()`` habit)."""
     if all(isinstance(v, torch.Tensor) for v in input_dict.values()):
         return input_dict
-    return {k: torch.as_tensor(v) if _is_number(v) else v for k, v in input_dict.items()}
+    return {k: _as_tensor(v) if _is_number(v) else v for k, v in input_dict.items()}
+
+
+def _as_tensor(v: Any) -> Any:
+    """A number as a 0-d tensor; one torch can't convert (2**63, a Decimal) as it is, for
+    ``dict_problem`` to report in the slots, so that every rank raises, not this one alone."""
+    try:
+        return torch.as_tensor(v)
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        return v
 
 
 def _is_number(v: Any) -> bool:
@@ -71,6 +80,8 @@ def dict_problem(input_dict: Mapping[Any, Any], op: str = "sum") -> tuple[list[A
     for k in names:
         v = input_dict[k]
         if not isinstance(v, torch.Tensor):
+            if _is_number(v):  # one that _as_tensor left as it was
+                return names, f"value of {k!r} is a {type(v).__name__} torch can't convert to a tensor: {v!r}"
             return names, f"value of {k!r} is a {type(v).__name__}, not a tensor or a number"
         if op in ("max", "min") and v.is_complex():
             return names, f"op={op!r} is not defined for complex values ({k!r} is {v.dtype})"

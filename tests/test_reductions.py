@@ -3,8 +3,11 @@ floats keep float64; the same on every communicator."""
 
 from __future__ import annotations
 
+import decimal
+import fractions
 from typing import Any
 
+import pytest
 import torch
 
 import distcomm
@@ -80,3 +83,26 @@ def _missing_key_of_another_kind(comm: distcomm.Communicator) -> str:
 def test_a_missing_key_is_named_before_the_kinds_of_values() -> None:
     got = run_threaded(_missing_key_of_another_kind, 2)
     assert got[0] == got[1] and "rank 1 lacks 'loss'" in got[0] and "kinds" not in got[0]
+
+
+def _unconvertible_on_rank_1(value: Any) -> Any:
+    def fn(comm: distcomm.Communicator) -> tuple[str, str, list[int]]:
+        try:
+            comm.all_reduce_dict({"a": value if comm.rank == 1 else 1, "b": 2.0})
+            return ("returned", "", [])
+        except distcomm.CollectiveError as e:
+            return (type(e).__name__, str(e), comm.all_gather(comm.rank))  # still usable
+
+    return fn
+
+
+@pytest.mark.parametrize("value", [2**63, decimal.Decimal("1.5"), fractions.Fraction(1, 3)], ids=repr)
+@pytest.mark.parametrize("world", ["gloo", "threaded"])
+def test_a_number_torch_cant_convert_fails_every_rank_alike(world: str, value: Any) -> None:
+    """Used to raise on that rank alone, before its slot; its peers went on and paired wrong calls."""
+    run = spawn if world == "gloo" else run_threaded
+    out = run(_unconvertible_on_rank_1(value), 2, timeout=120)
+    assert {name for name, _, _ in out} == {"CollectiveError"}, out
+    assert len({msg for _, msg, _ in out}) == 1, out
+    assert "rank 1" in out[0][1] and "'a'" in out[0][1] and "can't convert" in out[0][1], out[0][1]
+    assert [ranks for _, _, ranks in out] == [[0, 1], [0, 1]]
