@@ -295,20 +295,20 @@ class _TorchCommunicator(Communicator):
                 _REUSABLE_NAMES.discard(name)
                 reused.append(name)
         self._forget_keys(reused)
-        destroyed = bool(self._owned)
         self._owned.clear()
         if self._owns_default:
             clear_default(self)
         if self._owns_default and dist.is_initialized():
-            destroyed = True
             try:
                 dist.destroy_process_group()
             except Exception:  # noqa: S110 - best effort on teardown
                 pass
-        if destroyed:  # let go of them, so that they are torn down now where nothing else holds them
-            self._group = self._obj_group = self._local_group = self._store = None
-            self._block_group = self._leader_group = None
-            self._header_bufs, self._carry = {}, None  # its native calls are the groups' bound methods
+        # Let go of the groups, so that they are torn down now where nothing else holds them; of
+        # those it doesn't own too: one its owner destroys would otherwise live on here until
+        # interpreter exit, where tearing its threads down can abort the process.
+        self._group = self._obj_group = self._local_group = self._store = None
+        self._block_group = self._leader_group = None
+        self._header_bufs, self._carry = {}, None  # its native calls are the groups' bound methods
 
     # ------------------------------------------------------------------ transport
     # How its waits go (see _waits): in slices that look at Ctrl-C and at the peers' processes

@@ -62,3 +62,35 @@ def test_a_program_whose_async_calls_were_waited_on_exits_0(tmp_path: Path) -> N
     codes = _exit_codes(tmp_path / "job.py", ASYNC, ranks=1, runs=2 * RUNS)
     assert codes == {0: 2 * RUNS}, codes
 
+
+
+ADOPTED = textwrap.dedent("""
+    import atexit, gc, os, sys, weakref
+    import torch
+    import torch.distributed as dist
+    import distcomm
+
+    rank, world, port = map(int, sys.argv[1:])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    group = weakref.ref(dist.distributed_c10d._get_default_group())
+
+    def group_let_go():  # registered first, so it runs last of the exit handlers
+        gc.collect()
+        if group() is not None:  # torn down during finalisation, it can abort the process
+            os._exit(3)
+
+    atexit.register(group_let_go)
+    out = distcomm.all_gather({"r": rank, "t": torch.ones(10)})  # adopts the default group
+    distcomm.all_reduce(torch.ones(4))
+    distcomm.reduce_dict({"a": torch.ones(3)})
+    dist.destroy_process_group()  # without closing the communicator the helpers made
+    assert len(out) == world
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_job_that_destroys_the_group_the_helpers_adopted_exits_0(tmp_path: Path) -> None:
+    """Exit code 3: the group outlived the exit handlers (an abort, 134, in about 1 run in 7)."""
+    codes = _exit_codes(tmp_path / "job.py", ADOPTED, ranks=3)
+    assert codes == {0: 3 * RUNS}, codes
