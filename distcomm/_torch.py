@@ -33,7 +33,7 @@ from ._header_exchange import (
     table_index,
 )
 from ._memory import seconds as _seconds
-from ._messages import torch_recv, torch_send
+from ._messages import settle_eager, torch_recv, torch_send
 from ._one_at_a_time import exclusive
 from ._serialization import Serializer
 from ._waits import SLICE, fail, interrupted, process_id, timedelta_of, wait
@@ -115,6 +115,7 @@ class _TorchCommunicator(Communicator):
         self._is_world = self._group is default
         self._owns_default = _owns_default
         self._owned: list[Any] = []
+        self._eager: list[Any] = []  # small sends posted without waiting (see _messages.torch_send)
         rank = dist.get_rank(self._group)
         if rank < 0:
             raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the given group")
@@ -284,6 +285,8 @@ class _TorchCommunicator(Communicator):
         # that needs the GIL. Release the GIL for a moment so that it can, now: at interpreter exit
         # it would abort the process ("terminate called without an active exception").
         time.sleep(_SETTLE_SECONDS)
+        if self._eager:
+            settle_eager(self, self._timeout)
         reused = []
         for g in reversed(self._owned):
             name = getattr(g, "group_name", None)
