@@ -223,15 +223,20 @@ def start_collective(comm: Communicator, name: str, args: tuple[Any, ...], kwarg
 
 
 def as_caller(fn: Callable[[], _R]) -> Callable[[], _R]:
-    """``fn`` to run on a worker thread with the caller's current CUDA device and stream, as the
-    blocking call would (a new thread starts on device 0 and its default stream: received CUDA
-    tensors would land on device 0, and the caller's stream's work would not be ordered first)."""
-    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):  # type: ignore[no-untyped-call]
-        return fn
-    device, stream = torch.cuda.current_device(), torch.cuda.current_stream()
+    """``fn`` to run on a worker thread in the caller's thread-local state, as the blocking call
+    would: its grad mode and inference mode (a new thread has grad on: a result would carry a
+    grad_fn that the blocking call under no_grad doesn't), and its current CUDA device and stream
+    (a new thread starts on device 0 and its default stream: received CUDA tensors would land on
+    device 0, and the caller's stream's work would not be ordered first)."""
+    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+    device, stream = (torch.cuda.current_device(), torch.cuda.current_stream()) if cuda else (None, None)
 
     def run() -> _R:
-        with torch.cuda.device(device), torch.cuda.stream(stream):
-            return fn()
+        with torch.inference_mode() if inference else torch.set_grad_enabled(grad):
+            if device is None:
+                return fn()
+            with torch.cuda.device(device), torch.cuda.stream(stream):
+                return fn()
 
     return run

@@ -289,3 +289,17 @@ def test_a_call_is_let_go_before_its_handle_says_done(monkeypatch: pytest.Monkey
     assert run_threaded(fn, 2) == [(16,), (16,)]
     assert seen == [(False, 0), (False, 0)]  # the argument already freed, nothing pending
 
+
+def test_the_worker_runs_in_the_callers_grad_mode() -> None:
+    def fn(comm: distcomm.Communicator) -> Any:
+        w = torch.ones(2, requires_grad=True)
+        with torch.no_grad():
+            blocking = comm.all_gather_tensor(w)
+            waited = comm.all_gather_tensor(w, async_op=True).wait()
+        with torch.inference_mode():
+            inferred = comm.all_gather_tensor(w, async_op=True).wait()
+        grad = comm.all_gather_tensor(w * 2, async_op=True).wait()
+        return [(t.requires_grad, t.grad_fn is not None) for t in (blocking, waited, grad)] + [inferred.is_inference()]
+
+    for out in [*run_threaded(fn, 2), fn(FakeCommunicator(0, 2))]:
+        assert out == [(False, False), (False, False), (True, True), True]
