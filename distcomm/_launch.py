@@ -88,8 +88,10 @@ def _user_frame(e: BaseException) -> traceback.FrameSummary | None:
 def describe(e: BaseException) -> str:
     """One line: what was raised, and where it was, e.g. ``ValueError: bad batch (in main() at
     train.py:6)``; a multi-line message gives its first line (the rest is in the traceback)."""
-    lines = str(e).strip().splitlines()
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
     first = lines[0] if lines else ""
+    if first.endswith(":") and len(lines) > 1:  # "scatter #1 failed on rank 0:": the reason is below
+        first += f" {lines[1]}" + (f" (and {len(lines) - 2} more lines)" if len(lines) > 2 else "")
     if len(first) > _LONGEST:
         first = first[: _LONGEST - 3] + "..."
     text = f"{type(e).__name__}: {first}" if first else type(e).__name__

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+import distcomm
+from distcomm._launch import describe
+from distcomm.testing import run_threaded
 from tests._scripts import run_script
 
 # Rank 1 raises before its first collective; a thread of its own (a data loader's, say) holds its
@@ -47,3 +51,19 @@ def test_the_headline_names_the_rank_that_failed_first(tmp_path: Path) -> None:
     assert f'File "{script}", line {raise_line}, in main' in got["traceback"], got["traceback"]
     assert 'raise ValueError("shard 7 is empty")' in got["traceback"], got["traceback"]
     assert "<dynamic-code>" not in got["message"]
+
+
+def _wrong_scatter(comm: Any) -> str:
+    try:
+        comm.scatter([1, 2], src=0)
+    except distcomm.CollectiveError as e:
+        return describe(e)
+    return "returned"
+
+
+def test_a_headline_carries_the_reason_not_a_colon() -> None:
+    """``scatter #1 failed on rank 0:`` used to end the line; the reason was only in the traceback."""
+    for line in run_threaded(_wrong_scatter, 3):
+        assert line.startswith("CollectiveError: scatter #1 failed on rank 0: rank 0: scatter on src 0 got 2 "
+                               "objects for world_size 3 (in _wrong_scatter() at test_launch_errors.py:"), line
+
