@@ -67,3 +67,33 @@ def test_a_headline_carries_the_reason_not_a_colon() -> None:
         assert line.startswith("CollectiveError: scatter #1 failed on rank 0: rank 0: scatter on src 0 got 2 "
                                "objects for world_size 3 (in _wrong_scatter() at test_launch_errors.py:"), line
 
+
+HANGS = textwrap.dedent("""
+    import json, time
+    import distcomm
+
+    def stuck():
+        time.sleep(600)
+
+    def main():
+        if distcomm.get_rank() == 0:
+            raise ValueError("rank 0 gives up")
+        stuck()
+
+    if __name__ == "__main__":
+        try:
+            distcomm.launch(main, 2, timeout=60)
+        except distcomm.RankFailedError as e:
+            print("RESULT", json.dumps({"message": str(e)}), flush=True)
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_rank_the_launcher_ended_is_named_with_where_it_was_stuck(tmp_path: Path) -> None:
+    got = run_script(tmp_path / "job.py", HANGS, timeout=180)["message"]
+    assert got.startswith("rank 0 raised ValueError: rank 0 gives up"), got
+    stuck_line = next(i for i, line in enumerate(HANGS.splitlines(), 1) if "time.sleep(600)" in line)
+    assert "rank 1 (pid " in got and f"was ended (stuck in stuck() at job.py:{stuck_line})" in got, got
+    assert "--- rank 1's threads when it was ended ---" in got and "in stuck" in got, got
+
