@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import ctypes
 import datetime
@@ -228,6 +229,8 @@ def _failure(processes: Sequence[Any], failed: dict[int, tuple[int, float]], rep
         else:
             how = f"exited with code {code}"
         lines[rank] = f"rank {rank} (pid {processes[i].pid}) {how} before main_func returned"
+        if code == 1 and i not in found:
+            lines[rank] += unguarded if (unguarded := _unguarded_call()) else ""
         tracebacks[rank] = ""
         if i < len(error_files):  # torch's own record, where our report could not be written
             try:
@@ -246,6 +249,31 @@ def _failure(processes: Sequence[Any], failed: dict[int, tuple[int, float]], rep
     text += "".join(f"\n--- rank {r}'s threads when it was ended ---\n{stack}" for r, stack in stacks.items())
     return RankFailedError(text, rank=rank, exception=exceptions[rank], remote_traceback=tracebacks[rank],
                            errors={r: exceptions.get(r) or RankFailedError(line, rank=r) for r, line in lines.items()})
+
+
+def _unguarded_call() -> str:
+    """Where the launching script calls launch() outside an ``if __name__ == "__main__":`` guard:
+    each process it started ran that call again while importing the script, and exited (code 1)."""
+    f: Any = sys._getframe(1)
+    while f is not None and not (f.f_code.co_name == "<module>" and f.f_globals.get("__name__") == "__main__"):
+        f = f.f_back
+    if f is None:
+        return ""
+    try:
+        with open(f.f_code.co_filename) as src:
+            tree = ast.parse(src.read())
+    except (OSError, SyntaxError, ValueError):
+        return ""
+    line = f.f_lineno
+    for stmt in tree.body:
+        if stmt.lineno <= line <= (stmt.end_lineno or stmt.lineno):
+            test = ast.unparse(stmt.test) if isinstance(stmt, ast.If) else ""
+            if "__name__" in test and "__main__" in test:
+                return ""
+            return (f": launch() is called at {os.path.basename(f.f_code.co_filename)}:{line} outside an "
+                    f"`if __name__ == \"__main__\":` guard, so each process ran it again while importing the "
+                    f"script; put the call under that guard")
+    return ""
 
 
 def _ended(processes: Sequence[Any], seen: set[int], reports: str, first: int, failed_first: int,

@@ -97,3 +97,17 @@ def test_a_rank_the_launcher_ended_is_named_with_where_it_was_stuck(tmp_path: Pa
     assert "rank 1 (pid " in got and f"was ended (stuck in stuck() at job.py:{stuck_line})" in got, got
     assert "--- rank 1's threads when it was ended ---" in got and "in stuck" in got, got
 
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_the_launchers_own_error_says_the_main_guard_is_missing(tmp_path: Path) -> None:
+    source = textwrap.dedent("""
+        import json, distcomm
+        try:
+            distcomm.launch(print, 2, timeout=30)
+        except distcomm.RankFailedError as e:
+            print("RESULT", json.dumps({"message": str(e)}), flush=True)
+    """)
+    got = run_script(tmp_path / "job.py", source, timeout=180)["message"]
+    first = got.splitlines()[0]
+    assert "launch() is called at job.py:4 outside an `if __name__ == \"__main__\":` guard" in first, got
