@@ -154,6 +154,9 @@ def _reduced_values(comm: Communicator, call: Op, values: list[torch.Tensor], wo
     collective; None off the root of a reduce_dict."""
     flat = [v.detach().reshape(-1).to(work_dtype) for v in values]
     work = flat[0].clone() if len(flat) == 1 else torch.cat(flat)
+    unsigned = _unsigned_mask(values, work) if op in ("max", "min") else None
+    if unsigned is not None:  # uint64 in int64 keeps sums exact, not order: flip the top bit, and back
+        work ^= unsigned
     orig = work.device
     work = work.to(comm.device) if work.device != comm.device else work
     st = comm._stat(call)
@@ -166,10 +169,26 @@ def _reduced_values(comm: Communicator, call: Op, values: list[torch.Tensor], wo
     st.transfer_s += time.perf_counter() - t0
     if dst is not None and comm.rank != dst:
         return None
+    if unsigned is not None:
+        work ^= unsigned
     if op == "mean":  # (a sum of integers is divided as float64)
         work = work / comm.world_size if work.is_floating_point() or work.is_complex() else \
             work.to(torch.float64) / comm.world_size
     return work.to(orig)
+
+
+def _unsigned_mask(values: list[torch.Tensor], work: torch.Tensor) -> torch.Tensor | None:
+    """For max and min in int64: the top bit set over the uint64 values' elements, whose order it
+    restores when xor-ed in (values of 2**63 and more wrap to negatives); None without uint64."""
+    if not any(v.dtype == torch.uint64 for v in values):
+        return None
+    mask = torch.zeros_like(work)
+    at = 0
+    for v in values:
+        if v.dtype == torch.uint64:
+            mask[at : at + v.numel()] = -(2**63)
+        at += v.numel()
+    return mask
 
 
 def _key_mismatch(comm: Communicator, names: list[Any], shapes: list[tuple[int, ...]], work_dtype: torch.dtype,

@@ -106,3 +106,17 @@ def test_a_number_torch_cant_convert_fails_every_rank_alike(world: str, value: A
     assert len({msg for _, msg, _ in out}) == 1, out
     assert "rank 1" in out[0][1] and "'a'" in out[0][1] and "can't convert" in out[0][1], out[0][1]
     assert [ranks for _, _, ranks in out] == [[0, 1], [0, 1]]
+
+
+def _unsigned_extremes(comm: distcomm.Communicator) -> list[list[int]]:
+    big = [2**63 + 5, 2**64 - 1, 3] if comm.rank == 0 else [2**63 - 1, 2**63, 2**63 + 1]
+    d = {"u": torch.tensor(big, dtype=torch.uint64), "i": torch.tensor([-1 - comm.rank])}
+    return [comm.all_reduce_dict(d, op=op)[k].tolist() for op in ("max", "min") for k in ("u", "i")]
+
+
+@pytest.mark.parametrize("world", ["gloo", "threaded"])
+def test_uint64_max_and_min_are_exact_at_and_above_2_63(world: str) -> None:
+    """Reduced in int64, where values of 2**63 and more wrap to negatives: max and min picked wrong."""
+    run = spawn if world == "gloo" else run_threaded
+    for got in run(_unsigned_extremes, 2, timeout=120):
+        assert got == [[2**63 + 5, 2**64 - 1, 2**63 + 1], [-1], [2**63 - 1, 2**63, 3], [-2]]
