@@ -114,6 +114,8 @@ def reduce_dict(comm: Communicator, input_dict: Mapping[Any, Any], op: str, dst:
     if comm._returns_at_once():
         if problem:
             raise comm._world_of_one_error(call, problem)
+        if op == "mean":  # an average of integers is a float at every world size
+            return {k: _in_result_dtype(input_dict[k], op) for k in names}
         return {k: input_dict[k] for k in names}
     # Every rank reduces in the same dtype whatever its values' dtypes (int64 for dicts of integers,
     # exact; else float64, exact for float32 and for integers below 2**53; complex128 when the dicts
@@ -142,10 +144,16 @@ def reduce_dict(comm: Communicator, input_dict: Mapping[Any, Any], op: str, dst:
         if v.is_complex() and not dt.is_complex:  # a real value of a dict that holds complex ones
             v = v.real
         at += n
-        # each value comes back in its dtype, but averages of integers: the default float dtype
-        keep = op != "mean" or dt.is_floating_point or dt.is_complex
-        out[k] = v.to(dt if keep else torch.get_default_dtype())
+        out[k] = _in_result_dtype(v, op, dt)
     return out
+
+
+def _in_result_dtype(v: torch.Tensor, op: str, dt: torch.dtype | None = None) -> torch.Tensor:
+    """``v`` in its input's dtype ``dt`` (default: its own), but an average of integers (or bools):
+    the default float dtype, at every world size."""
+    dt = v.dtype if dt is None else dt
+    keep = op != "mean" or dt.is_floating_point or dt.is_complex
+    return v.to(dt if keep else torch.get_default_dtype())
 
 
 def _reduced_values(comm: Communicator, call: Op, values: list[torch.Tensor], work_dtype: torch.dtype, op: str,

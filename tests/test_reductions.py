@@ -120,3 +120,25 @@ def test_uint64_max_and_min_are_exact_at_and_above_2_63(world: str) -> None:
     run = spawn if world == "gloo" else run_threaded
     for got in run(_unsigned_extremes, 2, timeout=120):
         assert got == [[2**63 + 5, 2**64 - 1, 2**63 + 1], [-1], [2**63 - 1, 2**63, 3], [-2]]
+
+
+def _integer_means(comm: distcomm.Communicator) -> list[str]:
+    d = {"n": torch.tensor(3), "flag": torch.tensor(True), "x": torch.tensor(0.5, dtype=torch.float64)}
+    everywhere = [str(v.dtype) for v in comm.all_reduce_dict(d).values()]
+    on_root = [str(v.dtype) for v in comm.reduce_dict(d).values()]
+    return everywhere + (on_root if comm.rank == 0 else everywhere)  # (off rank 0, reduce_dict gives its input)
+
+
+@pytest.mark.parametrize("world", ["local", "threaded 1", "gloo 1", "threaded 2", "fake 1"])
+def test_an_average_of_integers_is_a_float_at_every_world_size(world: str) -> None:
+    """Used to be float32 at 2 ranks and int64/bool in a world of one."""
+    if world == "local":
+        got = [_integer_means(distcomm.LocalCommunicator())]
+    elif world == "fake 1":
+        got = [_integer_means(FakeCommunicator(0, 1))]
+    else:
+        kind, n = world.split()
+        got = (spawn if kind == "gloo" else run_threaded)(_integer_means, int(n), timeout=120)
+    want = str(torch.get_default_dtype())
+    for dtypes in got:
+        assert dtypes == [want, want, "torch.float64"] * 2, (world, dtypes)
