@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import contextvars
 import multiprocessing
@@ -86,6 +87,7 @@ def current() -> Communicator:
         backend = str(dist.get_backend(default))
         implicit: Communicator = GlooCommunicator() if "gloo" in backend else NcclCommunicator()
         _implicit.append((default, implicit))
+        atexit.register(_let_go, implicit)
         return implicit
     env = detect()
     # a process Python's multiprocessing started (a data loader's worker) inherits the launcher's
@@ -97,3 +99,12 @@ def current() -> Communicator:
             f"of the script: `comm = distcomm.from_env()` (then `with comm:` or `comm.close()` at the end), "
             f"or run the work under `distcomm.launch(main, N)`")
     return LocalCommunicator()
+
+
+def _let_go(comm: Communicator) -> None:
+    """At exit, close a communicator adopted implicitly: the user may have destroyed the default
+    group without closing it, and the group's threads, kept alive by it, would otherwise be torn
+    down during interpreter finalisation, which can abort the process."""
+    _implicit[:] = [(g, c) for g, c in _implicit if c is not comm]
+    with contextlib.suppress(Exception):  # calls still pending: closing would break them
+        comm.close()

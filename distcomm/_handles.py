@@ -71,10 +71,9 @@ class Handle(Generic[_R]):
             raise self._error.with_traceback(self._traceback)
         return self._value  # type: ignore[no-any-return]
 
-    def _finish(self, value: Any, error: BaseException | None) -> None:
+    def _store(self, value: Any, error: BaseException | None) -> None:
         self._value, self._error = value, error
         self._traceback = error.__traceback__ if error is not None else None
-        self._event.set()
 
     def __repr__(self) -> str:
         state = ("failed" if self._error is not None else "done") if self._event.is_set() else "pending"
@@ -111,13 +110,16 @@ class Queue:
                 handle, fn = self._calls.popleft()
                 self._running = handle
                 self.site = handle._site
-            try:
-                handle._finish(fn(), None)
-            except BaseException as e:
-                handle._finish(None, e)
+            finished = _outcome(handle, fn)
+            # Let go of the call (its arguments, its result) before its handle says it is done: once
+            # the caller has it, the interpreter may exit, and a tensor freed from this daemon thread
+            # during finalisation aborts the process. And no longer count it as running, so that a
+            # close() right after wait() or done() finds nothing pending.
+            del handle, fn
             with self._cond:
                 self._running = None
                 self._cond.notify_all()
+            finished.set()
 
     def on_thread(self) -> bool:
         """Whether the caller is this queue's thread (running one of its calls)."""
@@ -137,6 +139,15 @@ class Queue:
         """Nothing queued, nothing running, no thread serving."""
         with self._cond:
             return not self._calls and self._running is None and not self._thread
+
+
+def _outcome(handle: Handle[Any], fn: Callable[[], Any]) -> threading.Event:
+    """Run ``fn`` and store its result or error in ``handle``; the event that tells its waiters."""
+    try:
+        handle._store(fn(), None)
+    except BaseException as e:
+        handle._store(None, e)
+    return handle._event
 
 
 LANES_KEPT = 64
@@ -212,15 +223,20 @@ def start_collective(comm: Communicator, name: str, args: tuple[Any, ...], kwarg
 
 
 def as_caller(fn: Callable[[], _R]) -> Callable[[], _R]:
-    """``fn`` to run on a worker thread with the caller's current CUDA device and stream, as the
-    blocking call would (a new thread starts on device 0 and its default stream: received CUDA
-    tensors would land on device 0, and the caller's stream's work would not be ordered first)."""
-    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):  # type: ignore[no-untyped-call]
-        return fn
-    device, stream = torch.cuda.current_device(), torch.cuda.current_stream()
+    """``fn`` to run on a worker thread in the caller's thread-local state, as the blocking call
+    would: its grad mode and inference mode (a new thread has grad on: a result would carry a
+    grad_fn that the blocking call under no_grad doesn't), and its current CUDA device and stream
+    (a new thread starts on device 0 and its default stream: received CUDA tensors would land on
+    device 0, and the caller's stream's work would not be ordered first)."""
+    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+    device, stream = (torch.cuda.current_device(), torch.cuda.current_stream()) if cuda else (None, None)
 
     def run() -> _R:
-        with torch.cuda.device(device), torch.cuda.stream(stream):
-            return fn()
+        with torch.inference_mode() if inference else torch.set_grad_enabled(grad):
+            if device is None:
+                return fn()
+            with torch.cuda.device(device), torch.cuda.stream(stream):
+                return fn()
 
     return run

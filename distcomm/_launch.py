@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import ctypes
 import datetime
+import faulthandler
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -39,6 +42,8 @@ __all__ = ["free_port", "from_env", "launch"]
 _PR_SET_PDEATHSIG = 1
 _LONGEST = 300  # characters of an exception's message in a one-line description
 _GRACE = 2.0  # seconds the other processes get to report, once one failed, before they are ended
+_STACK_SIGNAL = getattr(signal, "SIGUSR1", signal.SIGTERM)  # asks a process for its stacks
+_STACK_SECONDS = 0.5  # how long those stacks get to be written
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _LIBRARY_DIRS = tuple(sorted({os.path.abspath(p) + os.sep for k, p in sysconfig.get_paths().items()
                               if k in ("stdlib", "platstdlib", "purelib", "platlib")}))
@@ -57,8 +62,14 @@ def _die_with(parent: int) -> None:
 
 
 def _end(processes: Sequence[Any], grace: float = 3.0) -> None:
-    """Stop every process still running: SIGTERM, then SIGKILL after ``grace`` seconds."""
+    """Stop every process still running: SIGTERM, then SIGKILL after ``grace`` seconds. Each is
+    first asked for its threads' stacks (``_stacks_on_request``), for the error that names it."""
     alive = [p for p in processes if p.is_alive()]
+    if alive:
+        for p in alive:
+            with contextlib.suppress(OSError):
+                os.kill(p.pid, _STACK_SIGNAL)
+        time.sleep(_STACK_SECONDS)  # faulthandler writes from a signal handler: at once, even if stuck in C
     for p in alive:
         p.terminate()
     deadline = time.monotonic() + grace
@@ -83,8 +94,10 @@ def _user_frame(e: BaseException) -> traceback.FrameSummary | None:
 def describe(e: BaseException) -> str:
     """One line: what was raised, and where it was, e.g. ``ValueError: bad batch (in main() at
     train.py:6)``; a multi-line message gives its first line (the rest is in the traceback)."""
-    lines = str(e).strip().splitlines()
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
     first = lines[0] if lines else ""
+    if first.endswith(":") and len(lines) > 1:  # "scatter #1 failed on rank 0:": the reason is below
+        first += f" {lines[1]}" + (f" (and {len(lines) - 2} more lines)" if len(lines) > 2 else "")
     if len(first) > _LONGEST:
         first = first[: _LONGEST - 3] + "..."
     text = f"{type(e).__name__}: {first}" if first else type(e).__name__
@@ -122,11 +135,20 @@ def _report(where: str, index: int, e: BaseException) -> bool:
     return True
 
 
+def _stacks_on_request(reports: str, index: int) -> None:
+    """Write this process's threads' stacks to ``<index>.stack`` when the launcher asks (before it
+    ends a process that hangs), from a signal handler: also while the process waits in C code."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # no such signal: no stacks
+        f = open(os.path.join(reports, f"{index}.stack"), "w")  # kept open: faulthandler writes to it later
+        faulthandler.register(_STACK_SIGNAL, file=f, all_threads=True)
+
+
 def _worker(
     local_rank: int, payload: bytes, per_machine: int, num_machines: int, machine_rank: int,
     url: str, backend: str, timeout: float, parent: int, reports: str,
 ) -> None:
     _die_with(parent)
+    _stacks_on_request(reports, local_rank)
     reported = False
     try:
         main_func, args = cloudpickle.loads(payload)
@@ -202,6 +224,8 @@ def _failure(processes: Sequence[Any], failed: dict[int, tuple[int, float]], rep
         else:
             how = f"exited with code {code}"
         lines[rank] = f"rank {rank} (pid {processes[i].pid}) {how} before main_func returned"
+        if code == 1 and i not in found:
+            lines[rank] += unguarded if (unguarded := _unguarded_call()) else ""
         tracebacks[rank] = ""
         if i < len(error_files):  # torch's own record, where our report could not be written
             try:
@@ -212,12 +236,77 @@ def _failure(processes: Sequence[Any], failed: dict[int, tuple[int, float]], rep
         exceptions[rank] = None
         order[rank] = (False, when)
     rank = first_failure(order)
+    stacks = _ended(processes, set(failed) | set(found), reports, first, rank, lines)
     others = "".join(f"\n  {line}" for r, line in sorted(lines.items()) if r != rank)
     text = lines[rank] + (f"\nother ranks:{others}" if others else "")
     if tracebacks[rank]:
         text += f"\n--- rank {rank} traceback ---\n{tracebacks[rank]}"
+    text += "".join(f"\n--- rank {r}'s threads when it was ended ---\n{stack}" for r, stack in stacks.items())
     return RankFailedError(text, rank=rank, exception=exceptions[rank], remote_traceback=tracebacks[rank],
-                           errors={r: exceptions[r] or RankFailedError(line, rank=r) for r, line in lines.items()})
+                           errors={r: exceptions.get(r) or RankFailedError(line, rank=r) for r, line in lines.items()})
+
+
+def _unguarded_call() -> str:
+    """Where the launching script calls launch() outside an ``if __name__ == "__main__":`` guard:
+    each process it started ran that call again while importing the script, and exited (code 1)."""
+    f: Any = sys._getframe(1)
+    while f is not None and not (f.f_code.co_name == "<module>" and f.f_globals.get("__name__") == "__main__"):
+        f = f.f_back
+    if f is None:
+        return ""
+    try:
+        with open(f.f_code.co_filename) as src:
+            tree = ast.parse(src.read())
+    except (OSError, SyntaxError, ValueError):
+        return ""
+    line = f.f_lineno
+    for stmt in tree.body:
+        if stmt.lineno <= line <= (stmt.end_lineno or stmt.lineno):
+            test = ast.unparse(stmt.test) if isinstance(stmt, ast.If) else ""
+            if "__name__" in test and "__main__" in test:
+                return ""
+            return (f": launch() is called at {os.path.basename(f.f_code.co_filename)}:{line} outside an "
+                    f"`if __name__ == \"__main__\":` guard, so each process ran it again while importing the "
+                    f"script; put the call under that guard")
+    return ""
+
+
+def _ended(processes: Sequence[Any], seen: set[int], reports: str, first: int, failed_first: int,
+           lines: dict[int, str]) -> dict[int, str]:
+    """Name, in ``lines``, the processes the launcher ended (still running after the others had
+    time to report), where each was stuck; return their threads' stacks, where they were written."""
+    stacks = {}
+    for i, p in enumerate(processes):
+        if i in seen or p.exitcode in (0, None):
+            continue
+        rank = first + i
+        try:
+            with open(os.path.join(reports, f"{i}.stack")) as f:
+                stacks[rank] = f.read().strip()
+        except OSError:
+            pass
+        stuck = _stuck_at(stacks.get(rank, ""))
+        lines[rank] = (f"rank {rank} (pid {p.pid}) was still running {_GRACE:g} s after rank {failed_first} "
+                       f"failed, and was ended" + (f" (stuck {stuck})" if stuck else ""))
+    return {r: s for r, s in stacks.items() if s}
+
+
+def _stuck_at(stack: str) -> str:
+    """From faulthandler's dump, the main thread's innermost frame in the user's code: ``in main()
+    at job.py:9`` (the main thread is the one whose outermost frame is a module's)."""
+    threads = [block.splitlines()[1:] for block in stack.split("\n\n") if block.strip()]
+    main = next((t for t in threads if t and t[-1].strip().endswith("in <module>")), threads[0] if threads else [])
+    frames = []
+    for line in main:  # '  File "/path/job.py", line 9 in main'
+        head, _, name = line.strip().rpartition(" in ")
+        path, _, number = head.removeprefix('File "').rpartition('", line ')
+        if path and number.isdigit():
+            frames.append((os.path.abspath(path), int(number), name))
+    mine = [f for f in frames if not f[0].startswith(_PACKAGE_DIR) and not f[0].startswith(_LIBRARY_DIRS)]
+    if not (mine or frames):
+        return ""
+    path, lineno, name = (mine or frames)[0]
+    return f"in {name if name.startswith('<') else name + '()'} at {os.path.basename(path)}:{lineno}"
 
 
 def launch(

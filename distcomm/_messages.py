@@ -44,7 +44,8 @@ if TYPE_CHECKING:
     from ._communicator import Communicator
     from ._torch import _TorchCommunicator
 
-__all__ = ["GLOO_TAG_BASE", "TAGS", "decode", "encode", "isend", "irecv", "torch_recv", "torch_send"]
+__all__ = ["EAGER_BYTES", "GLOO_TAG_BASE", "TAGS", "decode", "encode", "isend", "irecv", "settle_eager", "torch_recv",
+           "torch_send"]
 
 _R = TypeVar("_R")
 
@@ -174,14 +175,39 @@ def parse(comm: Communicator, parts: list[memoryview], what: str, src: int) -> A
 
 
 # ---------------------------------------------------------------- the torch transports
+EAGER_BYTES = 60 << 10
+"""A message smaller than this (header, sizes and segments) is sent eagerly: the send returns once
+posted, from a copy, without waiting for the receiver (as MPI does below a threshold), so that two
+ranks that send small messages on different tags before receiving them don't wait for each other.
+Below the 64 KiB at which buffers travel out of band: the copy is of the pickle stream only."""
+
+
 def torch_send(comm: _TorchCommunicator, dst: int, tag: int, parts: list[torch.Tensor], timeout: float | None) -> None:
     what = f"send to rank {dst} (tag {tag})"
     g = comm._obj_group
+    eager = sum(p.numel() for p in parts) < EAGER_BYTES
+    if eager:
+        parts = [p.clone() for p in parts]  # the sender may change its object once send returns
     try:
         works = [g.send([p], comm._at(dst), GLOO_TAG_BASE + tag) for p in parts]  # as the group numbers it
     except Exception as e:
         _failed(comm, e, what, dst, timeout)
+    if eager:  # gloo needs the works (and their buffers) kept until the receiver has taken them
+        comm._eager = [w for w in comm._eager if not w.is_completed()] + works
+        return
     _await(comm, works, dst, timeout, what)
+
+
+def settle_eager(comm: _TorchCommunicator, timeout: float | None) -> None:
+    """Before the groups go: wait, up to ``timeout``, for the eager sends' receivers to take them."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for w in comm._eager:
+        left = None if deadline is None else max(deadline - time.monotonic(), 0.001)
+        try:
+            w.wait() if left is None else w.wait(datetime.timedelta(seconds=left))
+        except Exception:  # noqa: S112 - the peer is gone or never received it: nothing to report to
+            continue
+    comm._eager = []
 
 
 def torch_recv(comm: _TorchCommunicator, src: int, tag: int, bufs: list[torch.Tensor], timeout: float | None) -> None:
@@ -227,7 +253,7 @@ def _await(comm: _TorchCommunicator, works: list[Any], peer: int, timeout: float
         _failed(comm, failed[0], what, peer, timeout)
 
 
-def _failed(comm: Communicator, e: BaseException, what: str, peer: int, timeout: float | None) -> Any:
+def _failed(comm: _TorchCommunicator, e: BaseException, what: str, peer: int, timeout: float | None) -> Any:
     """The transport's error as distcomm's; the pair's connection is gone, so is the communicator."""
     if isinstance(e, DistCommError):
         raise e
@@ -236,9 +262,30 @@ def _failed(comm: Communicator, e: BaseException, what: str, peer: int, timeout:
     comm._mark_broken(f"{what}: {text[:160]}")
     make: Callable[..., CollectiveError] = CollectiveError
     if "timed out" in low or "timeout" in low:
-        raise CollectiveTimeoutError(f"{what} timed out after {timeout}s: rank {peer} didn't take part "
+        raise CollectiveTimeoutError(f"{what} timed out after {timeout}s: {_peer_wait(comm, what, peer, timeout)} "
                                      f"(transport: {text})", op=what.split()[0], ranks=[peer]) from e
     if "closed" in low or "reset" in low or "broken pipe" in low or "connection" in low:
         make = PeerError
     raise make(f"{what} failed: lost rank {peer}? (transport: {text})" if make is PeerError
                else f"{what} failed in the transport: {text}", op=what.split()[0], ranks=[peer]) from e
+
+
+def _peer_wait(comm: _TorchCommunicator, what: str, peer: int, timeout: float | None) -> str:
+    """What ``peer`` was waiting for instead, from the job's store: each side of a timed-out message
+    writes what it waited for there and reads the other's (a pair may wait on different tags)."""
+    sending = what.startswith("send")
+    needed = f"rank {peer} didn't {'receive' if sending else 'send'} it"
+    if comm._store is None or not comm._token:
+        return needed
+    key = f"distcomm/{comm._token}/p2p/"
+    try:
+        comm._store.set(f"{key}{comm._rank}/{peer}", what)
+        deadline = time.monotonic() + (2.0 if timeout is None else min(2.0, max(0.5, timeout / 4)))
+        while not comm._store.check([f"{key}{peer}/{comm._rank}"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if comm._store.check([f"{key}{peer}/{comm._rank}"]):
+            theirs = comm._store.get(f"{key}{peer}/{comm._rank}").decode("utf-8", "replace")
+            return f"{needed}; it was waiting in {theirs} (this rank: {what})"
+    except Exception:  # noqa: S110 - the store may be gone with its host: the plain message will do
+        pass
+    return f"{needed} (it reported no wait on this rank)"

@@ -57,7 +57,16 @@ def as_tensors(input_dict: Mapping[Any, Any]) -> Mapping[Any, Any]:
     """The dict with its Python numbers and numpy scalars as 0-d tensors (the ``loss.item()`` habit)."""
     if all(isinstance(v, torch.Tensor) for v in input_dict.values()):
         return input_dict
-    return {k: torch.as_tensor(v) if _is_number(v) else v for k, v in input_dict.items()}
+    return {k: _as_tensor(v) if _is_number(v) else v for k, v in input_dict.items()}
+
+
+def _as_tensor(v: Any) -> Any:
+    """A number as a 0-d tensor; one torch can't convert (2**63, a Decimal) as it is, for
+    ``dict_problem`` to report in the slots, so that every rank raises, not this one alone."""
+    try:
+        return torch.as_tensor(v)
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        return v
 
 
 def _is_number(v: Any) -> bool:
@@ -73,6 +82,8 @@ def dict_problem(input_dict: Mapping[Any, Any], op: str = "sum") -> tuple[list[A
     for k in names:
         v = input_dict[k]
         if not isinstance(v, torch.Tensor):
+            if _is_number(v):  # one that _as_tensor left as it was
+                return names, f"value of {k!r} is a {type(v).__name__} torch can't convert to a tensor: {v!r}"
             return names, f"value of {k!r} is a {type(v).__name__}, not a tensor or a number"
         if op in ("max", "min") and v.is_complex():
             return names, f"op={op!r} is not defined for complex values ({k!r} is {v.dtype})"
@@ -105,6 +116,8 @@ def reduce_dict(comm: Communicator, input_dict: Mapping[Any, Any], op: str, dst:
     if comm._returns_at_once():
         if problem:
             raise comm._world_of_one_error(call, problem)
+        if op == "mean":  # an average of integers is a float at every world size
+            return {k: _in_result_dtype(input_dict[k], op) for k in names}
         return {k: input_dict[k] for k in names}
     # Every rank reduces in the same dtype whatever its values' dtypes (int64 for dicts of integers,
     # exact; else float64, exact for float32 and for integers below 2**53; complex128 when the dicts
@@ -133,10 +146,16 @@ def reduce_dict(comm: Communicator, input_dict: Mapping[Any, Any], op: str, dst:
         if v.is_complex() and not dt.is_complex:  # a real value of a dict that holds complex ones
             v = v.real
         at += n
-        # each value comes back in its dtype, but averages of integers: the default float dtype
-        keep = op != "mean" or dt.is_floating_point or dt.is_complex
-        out[k] = v.to(dt if keep else torch.get_default_dtype())
+        out[k] = _in_result_dtype(v, op, dt)
     return out
+
+
+def _in_result_dtype(v: torch.Tensor, op: str, dt: torch.dtype | None = None) -> torch.Tensor:
+    """``v`` in its input's dtype ``dt`` (default: its own), but an average of integers (or bools):
+    the default float dtype, at every world size."""
+    dt = v.dtype if dt is None else dt
+    keep = op != "mean" or dt.is_floating_point or dt.is_complex
+    return v.to(dt if keep else torch.get_default_dtype())
 
 
 def _reduced_values(comm: Communicator, call: Op, values: list[torch.Tensor], work_dtype: torch.dtype, op: str,
@@ -145,6 +164,9 @@ def _reduced_values(comm: Communicator, call: Op, values: list[torch.Tensor], wo
     collective; None off the root of a reduce_dict."""
     flat = [v.detach().reshape(-1).to(work_dtype) for v in values]
     work = flat[0].clone() if len(flat) == 1 else torch.cat(flat)
+    unsigned = _unsigned_mask(values, work) if op in ("max", "min") else None
+    if unsigned is not None:  # uint64 in int64 keeps sums exact, not order: flip the top bit, and back
+        work ^= unsigned
     orig = work.device
     work = work.to(comm.device) if work.device != comm.device else work
     st = comm._stat(call)
@@ -157,10 +179,26 @@ def _reduced_values(comm: Communicator, call: Op, values: list[torch.Tensor], wo
     st.transfer_s += time.perf_counter() - t0
     if dst is not None and comm.rank != dst:
         return None
+    if unsigned is not None:
+        work ^= unsigned
     if op == "mean":  # (a sum of integers is divided as float64)
         work = work / comm.world_size if work.is_floating_point() or work.is_complex() else \
             work.to(torch.float64) / comm.world_size
     return work.to(orig)
+
+
+def _unsigned_mask(values: list[torch.Tensor], work: torch.Tensor) -> torch.Tensor | None:
+    """For max and min in int64: the top bit set over the uint64 values' elements, whose order it
+    restores when xor-ed in (values of 2**63 and more wrap to negatives); None without uint64."""
+    if not any(v.dtype == torch.uint64 for v in values):
+        return None
+    mask = torch.zeros_like(work)
+    at = 0
+    for v in values:
+        if v.dtype == torch.uint64:
+            mask[at : at + v.numel()] = -(2**63)
+        at += v.numel()
+    return mask
 
 
 def _key_mismatch(comm: Communicator, names: list[Any], shapes: list[tuple[int, ...]], work_dtype: torch.dtype,

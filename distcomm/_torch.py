@@ -33,7 +33,7 @@ from ._header_exchange import (
     table_index,
 )
 from ._launchers import detect
-from ._messages import torch_recv, torch_send
+from ._messages import settle_eager, torch_recv, torch_send
 from ._one_at_a_time import exclusive
 from ._serialization import Serializer
 from ._start import start_from
@@ -118,6 +118,7 @@ class _TorchCommunicator(Communicator):
         self._is_world = self._group is default
         self._owns_default = _owns_default
         self._owned: list[Any] = []
+        self._eager: list[Any] = []  # small sends posted without waiting (see _messages.torch_send)
         rank = dist.get_rank(self._group)
         if rank < 0:
             raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the given group")
@@ -290,6 +291,8 @@ class _TorchCommunicator(Communicator):
         # that needs the GIL. Release the GIL for a moment so that it can, now: at interpreter exit
         # it would abort the process ("terminate called without an active exception").
         time.sleep(_SETTLE_SECONDS)
+        if self._eager:
+            settle_eager(self, self._timeout)
         reused = []
         for g in reversed(self._owned):
             name = getattr(g, "group_name", None)
@@ -301,20 +304,20 @@ class _TorchCommunicator(Communicator):
                 _REUSABLE_NAMES.discard(name)
                 reused.append(name)
         self._forget_keys(reused)
-        destroyed = bool(self._owned)
         self._owned.clear()
         if self._owns_default:
             clear_default(self)
         if self._owns_default and dist.is_initialized():
-            destroyed = True
             try:
                 dist.destroy_process_group()
             except Exception:  # noqa: S110 - best effort on teardown
                 pass
-        if destroyed:  # let go of them, so that they are torn down now where nothing else holds them
-            self._group = self._obj_group = self._local_group = self._store = None
-            self._block_group = self._leader_group = None
-            self._header_bufs, self._carry = {}, None  # its native calls are the groups' bound methods
+        # Let go of the groups, so that they are torn down now where nothing else holds them; of
+        # those it doesn't own too: one its owner destroys would otherwise live on here until
+        # interpreter exit, where tearing its threads down can abort the process.
+        self._group = self._obj_group = self._local_group = self._store = None
+        self._block_group = self._leader_group = None
+        self._header_bufs, self._carry = {}, None  # its native calls are the groups' bound methods
 
     # ------------------------------------------------------------------ transport
     # How its waits go (see _waits): in slices that look at Ctrl-C and at the peers' processes

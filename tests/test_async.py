@@ -248,3 +248,58 @@ def test_a_second_thread_is_still_refused() -> None:
     gate.set()
     assert refused and "two threads" in str(refused[0])
     h.wait(30)
+
+
+class _Watched(threading.Event):
+    """A handle's event that notes, when the call is marked done, what the worker still holds."""
+
+    def __init__(self, seen: list[tuple[bool, int]], arg: Any, comm: distcomm.Communicator) -> None:
+        super().__init__()
+        self._seen, self._arg, self._comm = seen, arg, comm
+
+    def set(self) -> None:
+        self._seen.append((self._arg() is not None, len(self._comm._pending_calls())))
+        super().set()
+
+
+def test_a_call_is_let_go_before_its_handle_says_done(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker used to hold a finished call's arguments after waking its waiter (a tensor freed
+    from that daemon thread during interpreter exit aborted the process), and still counted the
+    call as running (close() right after wait() raised "still pending")."""
+    import weakref
+
+    from distcomm import _handles
+
+    seen: list[tuple[bool, int]] = []
+    mine = threading.local()  # each rank's argument and communicator, where its handles are made
+
+    class Watched(_handles.Handle[Any]):
+        def __init__(self, name: str, site: tuple[str, int]) -> None:
+            super().__init__(name, site)
+            self._event = _Watched(seen, mine.arg, mine.comm)
+
+    def fn(comm: distcomm.Communicator) -> Any:
+        arg = torch.ones(8)
+        mine.arg, mine.comm = weakref.ref(arg), comm
+        h = comm.all_gather_tensor(arg, async_op=True)
+        del arg
+        return tuple(h.wait(timeout=30).shape)
+
+    monkeypatch.setattr(_handles, "Handle", Watched)
+    assert run_threaded(fn, 2) == [(16,), (16,)]
+    assert seen == [(False, 0), (False, 0)]  # the argument already freed, nothing pending
+
+
+def test_the_worker_runs_in_the_callers_grad_mode() -> None:
+    def fn(comm: distcomm.Communicator) -> Any:
+        w = torch.ones(2, requires_grad=True)
+        with torch.no_grad():
+            blocking = comm.all_gather_tensor(w)
+            waited = comm.all_gather_tensor(w, async_op=True).wait()
+        with torch.inference_mode():
+            inferred = comm.all_gather_tensor(w, async_op=True).wait()
+        grad = comm.all_gather_tensor(w * 2, async_op=True).wait()
+        return [(t.requires_grad, t.grad_fn is not None) for t in (blocking, waited, grad)] + [inferred.is_inference()]
+
+    for out in [*run_threaded(fn, 2), fn(FakeCommunicator(0, 2))]:
+        assert out == [(False, False), (False, False), (True, True), True]

@@ -158,3 +158,33 @@ def test_the_fake_scripts_and_records_messages() -> None:
     assert fake.calls[-1] == distcomm.testing.Call("send", {"obj": [1, 2], "dst": 1, "tag": 9})
     with pytest.raises(ValueError, match="itself"):
         fake.send(1, 0)
+
+
+def _crossed_tags(size: int) -> Any:
+    def fn(comm: distcomm.Communicator) -> Any:
+        a, b = np.zeros(size, np.uint8), np.ones(size, np.uint8)
+        try:
+            if comm.rank == 0:
+                comm.send(a, 1, tag=5, timeout=3)
+                a[:] = 7  # a small send has gone from a copy: changing the object changes nothing
+                comm.send(b, 1, tag=7, timeout=3)
+                return "sent"
+            got7, got5 = comm.recv(0, tag=7, timeout=3), comm.recv(0, tag=5, timeout=3)
+            return (int(got5.sum()), int(got7.sum()))
+        except distcomm.CollectiveTimeoutError as e:
+            return str(e)
+
+    return fn
+
+
+def test_small_sends_on_crossed_tags_do_not_wait_for_the_receiver() -> None:
+    """Used to wait the whole timeout on both ranks, each saying the other didn't take part."""
+    assert spawn(_crossed_tags(100), 2, timeout=120, reuse=False) == ["sent", (0, 100)]
+
+
+def test_large_sends_on_crossed_tags_say_what_each_side_waited_for() -> None:
+    sender, receiver = spawn(_crossed_tags(1 << 20), 2, timeout=120, reuse=False)
+    assert sender.startswith("send to rank 1 (tag 5) timed out after 3"), sender
+    assert "it was waiting in recv from rank 0 (tag 7)" in sender, sender
+    assert receiver.startswith("recv from rank 0 (tag 7) timed out after 3"), receiver
+    assert "it was waiting in send to rank 1 (tag 5)" in receiver, receiver

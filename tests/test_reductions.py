@@ -3,8 +3,11 @@ floats keep float64; the same on every communicator."""
 
 from __future__ import annotations
 
+import decimal
+import fractions
 from typing import Any
 
+import pytest
 import torch
 
 import distcomm
@@ -80,3 +83,62 @@ def _missing_key_of_another_kind(comm: distcomm.Communicator) -> str:
 def test_a_missing_key_is_named_before_the_kinds_of_values() -> None:
     got = run_threaded(_missing_key_of_another_kind, 2)
     assert got[0] == got[1] and "rank 1 lacks 'loss'" in got[0] and "kinds" not in got[0]
+
+
+def _unconvertible_on_rank_1(value: Any) -> Any:
+    def fn(comm: distcomm.Communicator) -> tuple[str, str, list[int]]:
+        try:
+            comm.all_reduce_dict({"a": value if comm.rank == 1 else 1, "b": 2.0})
+            return ("returned", "", [])
+        except distcomm.CollectiveError as e:
+            return (type(e).__name__, str(e), comm.all_gather(comm.rank))  # still usable
+
+    return fn
+
+
+@pytest.mark.parametrize("value", [2**63, decimal.Decimal("1.5"), fractions.Fraction(1, 3)], ids=repr)
+@pytest.mark.parametrize("world", ["gloo", "threaded"])
+def test_a_number_torch_cant_convert_fails_every_rank_alike(world: str, value: Any) -> None:
+    """Used to raise on that rank alone, before its slot; its peers went on and paired wrong calls."""
+    run = spawn if world == "gloo" else run_threaded
+    out = run(_unconvertible_on_rank_1(value), 2, timeout=120)
+    assert {name for name, _, _ in out} == {"CollectiveError"}, out
+    assert len({msg for _, msg, _ in out}) == 1, out
+    assert "rank 1" in out[0][1] and "'a'" in out[0][1] and "can't convert" in out[0][1], out[0][1]
+    assert [ranks for _, _, ranks in out] == [[0, 1], [0, 1]]
+
+
+def _unsigned_extremes(comm: distcomm.Communicator) -> list[list[int]]:
+    big = [2**63 + 5, 2**64 - 1, 3] if comm.rank == 0 else [2**63 - 1, 2**63, 2**63 + 1]
+    d = {"u": torch.tensor(big, dtype=torch.uint64), "i": torch.tensor([-1 - comm.rank])}
+    return [comm.all_reduce_dict(d, op=op)[k].tolist() for op in ("max", "min") for k in ("u", "i")]
+
+
+@pytest.mark.parametrize("world", ["gloo", "threaded"])
+def test_uint64_max_and_min_are_exact_at_and_above_2_63(world: str) -> None:
+    """Reduced in int64, where values of 2**63 and more wrap to negatives: max and min picked wrong."""
+    run = spawn if world == "gloo" else run_threaded
+    for got in run(_unsigned_extremes, 2, timeout=120):
+        assert got == [[2**63 + 5, 2**64 - 1, 2**63 + 1], [-1], [2**63 - 1, 2**63, 3], [-2]]
+
+
+def _integer_means(comm: distcomm.Communicator) -> list[str]:
+    d = {"n": torch.tensor(3), "flag": torch.tensor(True), "x": torch.tensor(0.5, dtype=torch.float64)}
+    everywhere = [str(v.dtype) for v in comm.all_reduce_dict(d).values()]
+    on_root = [str(v.dtype) for v in comm.reduce_dict(d).values()]
+    return everywhere + (on_root if comm.rank == 0 else everywhere)  # (off rank 0, reduce_dict gives its input)
+
+
+@pytest.mark.parametrize("world", ["local", "threaded 1", "gloo 1", "threaded 2", "fake 1"])
+def test_an_average_of_integers_is_a_float_at_every_world_size(world: str) -> None:
+    """Used to be float32 at 2 ranks and int64/bool in a world of one."""
+    if world == "local":
+        got = [_integer_means(distcomm.LocalCommunicator())]
+    elif world == "fake 1":
+        got = [_integer_means(FakeCommunicator(0, 1))]
+    else:
+        kind, n = world.split()
+        got = (spawn if kind == "gloo" else run_threaded)(_integer_means, int(n), timeout=120)
+    want = str(torch.get_default_dtype())
+    for dtypes in got:
+        assert dtypes == [want, want, "torch.float64"] * 2, (world, dtypes)
