@@ -18,7 +18,7 @@ class Op(IntEnum):
     ids, so they disagree in the first exchange instead of exchanging the wrong bytes."""
 
     SETUP = 1
-    BARRIER = 2
+    SYNCHRONIZE = 2  # (synchronize and its alias barrier)
     ALL_GATHER = 3
     GATHER = 4
     BROADCAST = 5

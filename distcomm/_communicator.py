@@ -404,7 +404,7 @@ class Communicator(abc.ABC):
         t = self._op_timeout(timeout)
         if self._returns_at_once():
             return
-        self._run(CallSpec(Op.BARRIER, -1, None, t, serialize=False))
+        self._run(CallSpec(Op.SYNCHRONIZE, -1, None, t, serialize=False))
         if not self._agrees_by_reduction:  # (else the agreement's sum, on the device and read back, was one)
             self._device_barrier(t)
 

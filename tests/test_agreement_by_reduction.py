@@ -47,7 +47,7 @@ def _per_step(comm: distcomm.Communicator) -> dict[str, Any]:
     seed = comm.shared_random_seed()
     return {"agreement_only": agreement_only, "after_objects": exchanges[0], "loss": losses["loss"].item(),
             "n": losses["n"].item(), "root": on_root["loss"].item(), "t": t.tolist(), "gathered": gathered,
-            "seed": seed, "stats": comm.stats["barrier"].bytes_sent}
+            "seed": seed, "stats": comm.stats["synchronize"].bytes_sent}
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(6, marks=pytest.mark.slow)])

@@ -34,7 +34,7 @@ def _check_bytes(r: int, n: int, got: dict[str, tuple[int, int]], blocks: list[l
     hs, hr = _header_bytes(r, n, blocks)
     ts, tr = _header_bytes(r, n, blocks, table=True)
     overhead = 8 * 1024  # the pickle streams of the arrays, small tables
-    assert got["barrier"] == (hs, hr)
+    assert got["synchronize"] == (hs, hr)
     sent, received = got["reduce_dict"]
     values = 8 * 8
     if blocks is None:  # the doubles count a ring's share

@@ -46,7 +46,7 @@ def test_a_mismatch_names_each_group_of_ranks_with_its_call_site(world: str) -> 
     out = spawn(split_paths, 4, timeout=120) if world == "gloo" else run_threaded(split_paths, 4, timeout=60)
     for first, after in out:
         assert first[0] == "CollectiveMismatchError", first
-        assert re.search(rf"ranks 0-2: barrier \(call #\d+\) at test_diagnosis.py:{_line('# site: barrier')}\n",
+        assert re.search(rf"ranks 0-2: synchronize \(call #\d+\) at test_diagnosis.py:{_line('# site: barrier')}\n",
                          first[1]), first[1]
         assert re.search(rf"rank 3: gather root=0 \(call #\d+\) at test_diagnosis.py:{_line('# site: gather')}",
                          first[1]), first[1]
@@ -67,12 +67,12 @@ def test_a_timeout_names_what_every_rank_is_doing_in_the_threaded_world() -> Non
         name, msg = out[r][0], out[r][1]
         assert name == "CollectiveTimeoutError", out[r]
         second, first = _line("# site: second barrier"), _line("# site: first barrier")
-        last = rf"\(last returned: barrier #\d+ at test_diagnosis.py:{first}\)"
+        last = rf"\(last returned: synchronize #\d+ at test_diagnosis.py:{first}\)"
         table = _per_rank(msg)
         # the ranks that wait: still in the barrier, or (when their own timeout fired first) out of it
         for rank in range(3):
-            assert re.fullmatch(rf"(in|CollectiveTimeoutError in) barrier #\d+ at test_diagnosis.py:{second} {last}",
-                                table[rank]), msg
+            waiting = rf"(in|CollectiveTimeoutError in) synchronize #\d+ at test_diagnosis.py:{second} {last}"
+            assert re.fullmatch(waiting, table[rank]), msg
         assert re.fullmatch(rf"not in a collective {last}", table[3]), msg
 
 
@@ -94,12 +94,12 @@ def test_a_timeout_over_gloo_names_what_every_rank_reported() -> None:
     for r in (0, 1):
         assert out[r][0] == "CollectiveTimeoutError", out[r]
         table = _per_rank(out[r][1])
-        assert re.match(rf"in barrier #\d+ at {site} ", table[r]), out[r][1]
+        assert re.match(rf"in synchronize #\d+ at {site} ", table[r]), out[r][1]
         assert table[2].startswith("no report"), out[r][1]
     assert out[2][0] in ("CollectiveTimeoutError", "PeerError"), out[2]
     table = _per_rank(out[2][1])
     for r in range(3):  # what ranks 0 and 1 wrote to the store when they gave up, and rank 2's own
-        assert re.match(rf"in barrier #\d+ at {site} ", table[r]), out[2][1]
+        assert re.match(rf"in synchronize #\d+ at {site} ", table[r]), out[2][1]
 
 
 def test_the_site_is_the_users_line_through_helpers_and_for_the_fake() -> None:

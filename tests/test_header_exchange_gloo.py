@@ -48,7 +48,8 @@ def _headers_in(comm: distcomm.Communicator, layout: str) -> dict[str, Any]:
         r = comm.rank
         comm.reset_stats()
         comm.synchronize()
-        out: dict[str, Any] = {"barrier": (comm.stats["barrier"].bytes_sent, comm.stats["barrier"].bytes_received)}
+        st = comm.stats["synchronize"]
+        out: dict[str, Any] = {"barrier": (st.bytes_sent, st.bytes_received)}
         got = comm.all_gather({"r": r, "s": "x" * r})
         out["all_gather"] = (got, comm.stats["all_gather"].bytes_received)
         out["broadcast"] = comm.broadcast({"from": r} if r == 3 else None, src=3)
@@ -138,7 +139,7 @@ def _carried_broadcasts(comm: distcomm.Communicator, room: int) -> dict[str, Any
     }
     comm.reset_stats()
     comm.synchronize()
-    out: dict[str, Any] = {"barrier": (comm.stats["barrier"].bytes_sent, comm.stats["barrier"].bytes_received)}
+    out: dict[str, Any] = {"barrier": (comm.stats["synchronize"].bytes_sent, comm.stats["synchronize"].bytes_received)}
     kept = []
     for name, (obj, root) in cases.items():
         comm.reset_stats()

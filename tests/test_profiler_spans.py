@@ -53,3 +53,15 @@ def test_no_span_without_a_profiler() -> None:
     finally:
         _one_at_a_time.traced = original
     assert len(seen) == 1 and not _tracing.profiling()  # only the call under the profiler was traced
+
+
+def test_synchronize_has_one_name() -> None:
+    """The name users call is the name in stats, in the fake's calls, in spans and in errors."""
+    comm = FakeCommunicator(0, 2)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        comm.synchronize()
+        comm.barrier()  # torch's name, an alias: the same collective
+    spans = [e.name for e in prof.events() if e.name.startswith("distcomm.") and ":" not in e.name]
+    assert spans == ["distcomm.synchronize"] * 2
+    assert [c.op for c in comm.calls] == ["synchronize"] * 2
+    assert list(comm.stats) == ["synchronize"] and comm.stats["synchronize"].calls == 2

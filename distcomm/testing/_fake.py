@@ -166,9 +166,9 @@ class FakeCommunicator(Communicator):
         assert spec is not None
         op, root, obj = spec.op, spec.root, spec.obj
         seq = self._seq
-        if op in (Op.BARRIER, Op.REDUCE_DICT, Op.ALL_REDUCE_DICT):
+        if op in (Op.SYNCHRONIZE, Op.REDUCE_DICT, Op.ALL_REDUCE_DICT):
             digest = 0
-            if op is not Op.BARRIER:
+            if op is not Op.SYNCHRONIZE:
                 problem = dict_problem(self._peer_dicts[r], self._dict_op())[1]  # as that peer would report it
                 if problem is not None:
                     return self._status_slot(r, _frame.INVALID, problem, size)
