@@ -188,3 +188,17 @@ def test_large_sends_on_crossed_tags_say_what_each_side_waited_for() -> None:
     assert "it was waiting in recv from rank 0 (tag 7)" in sender, sender
     assert receiver.startswith("recv from rank 0 (tag 7) timed out after 3"), receiver
     assert "it was waiting in send to rank 1 (tag 5)" in receiver, receiver
+
+
+def test_the_fake_refuses_a_recv_nobody_scripted() -> None:
+    """Without ``peers=``, no peer has anything to send: a clear error, not the tag as the object."""
+    fake = FakeCommunicator(0, 2)
+    with pytest.raises(ValueError, match=r"recv from rank 1 \(tag 9\): .*peers="):
+        fake.recv(1, tag=9)
+    with pytest.raises(ValueError, match="peers="):
+        fake.irecv(1).wait()
+    sub = fake.new_group([0, 1])
+    assert sub is not None
+    with pytest.raises(ValueError, match="peers="):
+        sub.recv(1)
+    assert fake.all_gather(5) == [5, 5]  # still usable

@@ -59,8 +59,9 @@ class FakeCommunicator(Communicator):
     through the real pipeline (serialized, framed, transferred, deserialized), so an unpicklable
     object fails here as in a job, and results have the shapes the real communicators return.
 
-    Point to point: ``recv(src, tag=t)`` receives ``peers("recv", src, t)`` (the default: the tag
-    itself); what ``send`` sends is loaded back and recorded as ``Call("send", {"obj", "dst", "tag"})``.
+    Point to point: ``recv(src, tag=t)`` receives ``peers("recv", src, t)``; without ``peers=`` it
+    raises ValueError (no peer has anything to send). What ``send`` sends is loaded back and recorded
+    as ``Call("send", {"obj", "dst", "tag"})``.
 
     Every collective is recorded in ``calls`` for assertions (messages too).
 
@@ -158,7 +159,7 @@ class FakeCommunicator(Communicator):
             return None
         peers = self._peers
         return FakeCommunicator(mine.index(self._rank), len(mine), **self._sub_settings(timeout),
-                                peers=lambda op, r, obj: peers(op, mine[r], obj))
+                                peers=None if peers is _same else lambda op, r, obj: peers(op, mine[r], obj))
 
     def _peer_slot(self, r: int, size: int) -> bytearray:
         """Peer r's slot for the call in progress; queues what r then sends to the rank under test."""
@@ -347,6 +348,9 @@ class FakeCommunicator(Communicator):
     def _recv_message(self, src: int, tag: int, bufs: list[torch.Tensor], timeout: float | None) -> None:
         box = self._inbox.setdefault((src, tag), deque())
         if not box:  # the header of the next message: the scripted peer sends it now
+            if self._peers is _same:  # (the rank under test passed no object a peer could echo)
+                raise ValueError(f"FakeCommunicator: recv from rank {src} (tag {tag}): no peer is scripted to "
+                                 f"send it; pass peers=fn, where fn('recv', {src}, {tag}) returns what {src} sends")
             obj = self._peers("recv", src, tag)
             box.extend(encode(self, obj, f"send from rank {src} (tag {tag})"))
             self.calls.append(Call("recv", {"src": src, "tag": tag}, obj))
