@@ -3,6 +3,10 @@
 A block's info string says how: ```python runs it as a script, ```python torchrun under torchrun
 with 2 processes, ```python pytest as a test file; ```python fragment marks a snippet that is not
 meant to run on its own (a signature, a before/after table).
+
+Blocks run as a user would paste them into a project of their own: from an empty directory, with
+distcomm installed and nothing of this repository's on the path (its examples and tests aren't
+importable there; ``test_blocks_run_outside_the_repository`` checks that).
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ def test_every_block_says_how_it_runs() -> None:
 def test_block_runs(where: str, kind: str, code: str, tmp_path: Path) -> None:
     script = tmp_path / ("test_block.py" if kind == "pytest" else "block.py")
     script.write_text(code)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = _users_env()
     if kind == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                "--master-port", str(distcomm.free_port()), str(script)]
@@ -63,8 +67,22 @@ def test_block_runs(where: str, kind: str, code: str, tmp_path: Path) -> None:
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(script)]
     else:
         cmd = [sys.executable, str(script)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"block at {where} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+
+
+def _users_env() -> dict[str, str]:
+    """The environment of a user's project: distcomm installed, no path into this repository."""
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
+def test_blocks_run_outside_the_repository(tmp_path: Path) -> None:
+    """Where the blocks run, distcomm imports (installed) and the repository's own modules don't."""
+    probe = "import importlib.util as u; print(u.find_spec('distcomm') is not None, u.find_spec('examples'), " \
+            "u.find_spec('tests'))"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=_users_env(), capture_output=True,
+                         text=True, timeout=120, check=True).stdout.split()
+    assert out == ["True", "None", "None"], out
 
 
 LINK = re.compile(r"\]\(([^)\s]+)\)")
