@@ -811,7 +811,7 @@ class Communicator(abc.ABC):
     def _agreement_sums(self, vector: list[int], timeout: float | None) -> list[int]:
         """The elementwise sum over ranks of ``vector`` (the same length on every rank), exactly."""
         work = torch.tensor(vector, dtype=torch.int64, device=self.device)
-        self._count(*self._reduce_traffic(work, None))
+        self._count(*self._reduce_traffic(work, None, "sum"))
         self._tensor_reduce(work, None, "sum", timeout)
         return [int(x) for x in work.tolist()]
 
@@ -851,9 +851,9 @@ class Communicator(abc.ABC):
         """Reduce ``tensor`` in place onto ``dst`` (None: every rank); "mean" sums."""
         reduce_by_gathering(self, tensor, dst, op, timeout)
 
-    def _reduce_traffic(self, tensor: torch.Tensor, dst: int | None) -> tuple[int, int]:
-        """The bytes (sent, received) that ``_tensor_reduce`` of ``tensor`` moves on this rank, for
-        the stats: by default a ring's, 2 (world - 1) / world of the values each way."""
+    def _reduce_traffic(self, tensor: torch.Tensor, dst: int | None, op: str) -> tuple[int, int]:
+        """The bytes (sent, received) that ``_tensor_reduce`` of ``tensor`` with ``op`` moves on this
+        rank, for the stats: by default a ring's, 2 (world - 1) / world of the values each way."""
         moved = 2 * (self.world_size - 1) * tensor.numel() * tensor.element_size() // self.world_size
         return moved, moved
 

@@ -6,8 +6,9 @@ for a few values each message's latency is the whole cost. A gather on the root 
 each rank), a fold there in rank order and gloo's binomial broadcast take 1 + log2(world) steps and
 about as many bytes per rank (each rank sends its values once and receives the result once),
 the root taking one message per rank. Kept to worlds of up to ``FLAT_WORLD`` ranks (where the
-header exchange of hosts of one rank is one gather too) and to values whose gather the root takes
-at once (``GATHERED_REDUCE_BYTES``). Integers reduce exactly as in the ring; float sums differ from
+header exchange of hosts of one rank is one gather too), to values whose gather the root takes
+at once (``GATHERED_REDUCE_BYTES``), and to other than a max or min of floats (``takes_gathered``
+says why). Integers reduce exactly as in the ring; float sums differ from
 the ring's in the last bits (the additions run in another order, the same on every rank), and
 half-precision values stay in the ring, where each addition rounds to half precision (a fold on
 the root would add in float32 and round once).
@@ -33,12 +34,18 @@ GATHERED_REDUCE_BYTES = 8 << 10
 
 
 _HALF = (torch.float16, torch.bfloat16)
+_EXTREMES = ("max", "min")
 
 
-def takes_gathered(comm: _TorchCommunicator, tensor: torch.Tensor) -> bool:
-    """Whether ``gathered_reduce`` reduces ``tensor`` in this world."""
+def takes_gathered(comm: _TorchCommunicator, tensor: torch.Tensor, op: str) -> bool:
+    """Whether ``gathered_reduce`` reduces ``tensor`` with ``op`` in this world.
+
+    Not a max or min of floats: with a NaN among the values, gloo's ring returns NaN or a value that
+    depends on which rank holds the NaN (the largest of the ranks before it, say), which no fold on
+    the root reproduces; they stay in the ring, so a result is torch's at every world size."""
     return (_frame.SMALL_WORLD < comm._world <= FLAT_WORLD and tensor.is_cpu and tensor.is_contiguous()
-            and tensor.dtype not in _HALF and tensor.numel() * tensor.element_size() <= GATHERED_REDUCE_BYTES)
+            and tensor.dtype not in _HALF and tensor.numel() * tensor.element_size() <= GATHERED_REDUCE_BYTES
+            and not (op in _EXTREMES and tensor.dtype.is_floating_point))
 
 
 

@@ -171,7 +171,7 @@ def _reduced_values(comm: Communicator, call: Op, values: list[torch.Tensor], wo
     work = work.to(comm.device) if work.device != comm.device else work
     st = comm._stat(call)
     t0 = time.perf_counter()
-    comm._count(*comm._reduce_traffic(work, dst))
+    comm._count(*comm._reduce_traffic(work, dst, op))
     if op in ("sum", "mean"):
         comm._reduce_tensor(work, dst, timeout)
     else:

@@ -162,7 +162,7 @@ def _move(comm: Communicator, op: Op, root: int, tensor: torch.Tensor, x: torch.
     else:
         assert reduce_op is not None
         dst = None if op is Op.ALL_REDUCE else root
-        sent, received = comm._reduce_traffic(work, dst)
+        sent, received = comm._reduce_traffic(work, dst, reduce_op)
         st.bytes_sent += sent
         st.bytes_received += received
         comm._tensor_reduce(work, dst, reduce_op, t)

@@ -650,14 +650,14 @@ class GlooCommunicator(_TorchCommunicator):
     backend = "gloo"
 
     def _tensor_reduce(self, tensor: torch.Tensor, dst: int | None, op: str, timeout: float | None) -> None:
-        if takes_gathered(self, tensor):
+        if takes_gathered(self, tensor, op):
             gathered_reduce(self, tensor, dst, op, timeout)
         else:
             super()._tensor_reduce(tensor, dst, op, timeout)
 
-    def _reduce_traffic(self, tensor: torch.Tensor, dst: int | None) -> tuple[int, int]:
-        if not takes_gathered(self, tensor):
-            return super()._reduce_traffic(tensor, dst)
+    def _reduce_traffic(self, tensor: torch.Tensor, dst: int | None, op: str) -> tuple[int, int]:
+        if not takes_gathered(self, tensor, op):
+            return super()._reduce_traffic(tensor, dst, op)
         return gathered_traffic(self, tensor, dst)
 
     def _check_backend(self, backend: str) -> None:

@@ -106,13 +106,14 @@ def test_bytes_counted_as_the_gather_and_broadcast_move_them() -> None:
 
 def test_which_reductions_go_through_the_root() -> None:
     """Beyond 4 ranks and up to 32, small CPU values; half precision stays in the ring, where each
-    addition rounds to half precision as it does today."""
+    addition rounds to half precision as it does today, and so do a max and a min of floats (whose
+    result with a NaN is the ring's, tests/test_nan_reductions.py)."""
     from types import SimpleNamespace
 
     from distcomm._gathered_reduce import takes_gathered
 
-    def takes(world: int, t: torch.Tensor) -> bool:
-        return takes_gathered(SimpleNamespace(_world=world), t)  # type: ignore[arg-type]
+    def takes(world: int, t: torch.Tensor, op: str = "sum") -> bool:
+        return takes_gathered(SimpleNamespace(_world=world), t, op)  # type: ignore[arg-type]
 
     small = torch.ones(8, dtype=torch.float64)
     assert takes(5, small) and takes(32, small) and not takes(4, small) and not takes(33, small)
@@ -120,3 +121,5 @@ def test_which_reductions_go_through_the_root() -> None:
     assert not takes(8, torch.ones(8, 2)[:, 0])  # not contiguous
     assert not takes(8, torch.ones(8, dtype=torch.float16)) and not takes(8, torch.ones(8, dtype=torch.bfloat16))
     assert takes(8, torch.ones(8, dtype=torch.int8)) and takes(8, torch.ones(8, dtype=torch.bool))
+    assert not takes(8, small, "max") and not takes(8, small, "min") and takes(8, small, "prod")
+    assert takes(8, torch.ones(8, dtype=torch.int64), "max") and takes(8, torch.ones(8, dtype=torch.bool), "min")
