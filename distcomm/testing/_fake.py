@@ -162,113 +162,48 @@ class FakeCommunicator(Communicator):
                                 peers=None if peers is _same else lambda op, r, obj: peers(op, mine[r], obj))
 
     def _peer_slot(self, r: int, size: int) -> bytearray:
-        """Peer r's slot for the call in progress; queues what r then sends to the rank under test."""
+        """Peer r's slot for the call in progress; queues what r then sends to the rank under test.
+        Each family's collectives say how (``_PEER_SLOTS``); the others are routed objects."""
         spec = self._call
         assert spec is not None
-        op, root, obj = spec.op, spec.root, spec.obj
-        seq = self._seq
-        if op in (Op.SYNCHRONIZE, Op.REDUCE_DICT, Op.ALL_REDUCE_DICT):
-            digest = 0
-            if op is not Op.SYNCHRONIZE:
-                problem = dict_problem(self._peer_dicts[r], self._dict_op())[1]  # as that peer would report it
-                if problem is not None:
-                    return self._status_slot(r, _frame.INVALID, problem, size)
-                digest = reduce_digest(*dict_signature(self._peer_dicts[r]), self._dict_op())
-            return _frame.encode(op, seq, root, digest, [], size)
-        if op is Op.GATHER_IN_ORDER and not spec.serialize:  # its counts: each peer's count of its results
-            args = self._called[1]
-            theirs = self._in_order[r] = self._peers(op.label, r, args["results"])
-            problem = results_problem(theirs, args["size"], args["sharding"])
+        return _PEER_SLOTS.get(spec.op, FakeCommunicator._routed_slot)(self, spec, r, size)
+
+    # ---- how a scripted peer's slot is built, per family (the table ``_PEER_SLOTS`` after the class)
+    def _header_slot(self, spec: CallSpec, r: int, size: int) -> bytearray:
+        """A header alone: synchronize, and reduce_dict's agreement on keys, shapes and op."""
+        digest = 0
+        if spec.op is not Op.SYNCHRONIZE:
+            problem = dict_problem(self._peer_dicts[r], self._dict_op())[1]  # as that peer would report it
             if problem is not None:
                 return self._status_slot(r, _frame.INVALID, problem, size)
-            return _frame.encode(op, seq, root, spec.digest, [[memoryview(struct.pack("<q", len(theirs)))]], size)
-        if op in _TENSOR_OPS:
-            reduce_op = self._user_reduce_op()
-            theirs = self._peer_tensor(r, obj)
-            problem = tensor_input_problem(self, op, theirs, reduce_op)
-            if problem is not None:
-                return self._status_slot(r, _frame.INVALID, problem, size)
-            digest, word = tensor_fields(op, theirs, reduce_op, None)
-            return _frame.encode(op, seq, root, digest, [[memoryview(word)]], size)
-        if op is Op.ALL_TO_ALL:
-            return self._all_to_all_slot(r, obj, size)
-        if op is Op.KEYS:
-            names, shapes, work_dtype = dict_signature(self._peer_dicts[r])
-            pobj: Any = ([repr(k) for k in names], shapes, str(work_dtype), self._dict_op())
-        elif op is Op.TENSOR_INFO:
-            theirs = self._peer_tensor(r, self._called[1]["tensor"])
-            pobj = (str(theirs.dtype), tuple(theirs.shape), self._user_reduce_op())
-        elif op is Op.RESULT or op is Op.RESULTS:
-            pobj = None
-            if r == root:  # the root peer folds what every rank contributed, as a real root would
-                assert spec.stat is not None  # the reduction this result is of
-                name, fn = object_op(self._called[1]["op"])
-                objs = [self._step1[i] for i in range(self._size)]
-                pobj = fold_payload(spec.stat, objs, name, fn, root)
-                if spec.stat is Op.REDUCE_OBJECT and pobj[0]:
-                    pobj = (True, None)
-        elif op is Op.GATHER and self._called[0] == "gather_in_order":
-            pobj = self._in_order[r]  # the results that peer counted
-        else:
-            pobj = self._peers(op.label, r, obj)
-            if op in _FOLD_OPS:
-                self._step1[r] = pobj
-            elif op is Op.SPLIT and pobj is obj:
-                # unscripted: new_group's members are known; split puts every peer in this rank's color
-                color, _, members = obj
-                pobj = ((None if r not in members else 0) if members is not None else color, r, members)
-        route = ROUTES[op]
-        if route is SCATTER and r == root and (not isinstance(pobj, Sequence) or len(pobj) != self._size):
-            raise ValueError(
-                f"FakeCommunicator: scatter from src={root} needs the src's list of {self._size} objects: pass "
-                f"it on the rank under test too, or script it with peers=")
-        parts, status, message = route.serialize(self, root, pobj, r)
-        if status == _frame.OK and (over := over_max_bytes(self, sum(s.nbytes for p in parts for s in p))):
-            status, message = _frame.TOO_LARGE, over  # what the peer's own check would report
-        if status != _frame.OK:
-            return self._status_slot(r, status, message, size)
-        me = self._rank
-        if route is SCATTER:
-            if r != root:
-                return _frame.encode(op, seq, root, 0, [], size)
-            part_slot = part_slot_size(self, parts, root, size)
-            built = [build_slot(op, seq, root, 0, [p], part_slot) for p in parts]  # as that root builds them
-            status, message = parts_problem(self, [d for _, _, d in built])
-            if status != _frame.OK:
-                return self._status_slot(r, status, message, size)
-            sub, mine, decoded = built[me]
-            if self._size <= _frame.SMALL_WORLD:  # the slot of this rank's part comes in the exchange
-                self._feed(r, self._later(decoded, mine, 0))
-                return sub
-            self._feed(r, [memoryview(sub), *self._later(decoded, mine, 0)])
-            return scatter_head(op, seq, root, 0, part_slot, size)[0]
-        slot, parts, decoded = build_slot(op, seq, root, 0, parts, size)
-        if route is GATHER and parts:
-            self._peer_segs[r] = parts[0]  # every segment, should the gather go up the tree
-        if route is BROADCAST:
-            if r == root and me != root:  # the root's bytes reach this rank down the broadcast's tree
-                self._feed_broadcast(root, self._later(decoded, parts, 0))
-        elif route is not GATHER or me == root:
-            self._feed(r, self._later(decoded, parts, 0))
-        return slot
+            digest = reduce_digest(*dict_signature(self._peer_dicts[r]), self._dict_op())
+        return _frame.encode(spec.op, self._seq, spec.root, digest, [], size)
 
-    def _feed_broadcast(self, root: int, later: list[memoryview]) -> None:
-        """What the broadcast's tree brings this rank, from whom (the route's own plan of it)."""
-        stream = memoryview(b"".join(later))
-        for src, lo, hi in received_from(self, root, stream.nbytes):
-            self._feed(src, [stream[lo:hi]])
+    def _count_slot(self, spec: CallSpec, r: int, size: int) -> bytearray:
+        """gather_in_order's first exchange: each peer's count of its results (then a gather)."""
+        if spec.serialize:
+            return self._routed_slot(spec, r, size)
+        args = self._called[1]
+        theirs = self._in_order[r] = self._peers(spec.op.label, r, args["results"])
+        problem = results_problem(theirs, args["size"], args["sharding"])
+        if problem is not None:
+            return self._status_slot(r, _frame.INVALID, problem, size)
+        count = [[memoryview(struct.pack("<q", len(theirs)))]]
+        return _frame.encode(spec.op, self._seq, spec.root, spec.digest, count, size)
 
-    def _status_slot(self, r: int, status: int, message: str, size: int) -> bytearray:
-        assert self._call is not None
-        op, root = self._call.op, self._call.root
-        full = _frame.message_bytes(message)
-        if len(full) > size - _frame.HEADER_SIZE:  # the rest of a long message follows the slots
-            self._feed(r, [memoryview(full)])
-        return _frame.encode_status(status, op, self._seq, root, message, size)
+    def _tensor_slot(self, spec: CallSpec, r: int, size: int) -> bytearray:
+        """A tensor collective's check: the peer's tensor's digest and 8 bytes."""
+        reduce_op = self._user_reduce_op()
+        theirs = self._peer_tensor(r, spec.obj)
+        problem = tensor_input_problem(self, spec.op, theirs, reduce_op)
+        if problem is not None:
+            return self._status_slot(r, _frame.INVALID, problem, size)
+        digest, word = tensor_fields(spec.op, theirs, reduce_op, None)
+        return _frame.encode(spec.op, self._seq, spec.root, digest, [[memoryview(word)]], size)
 
-    def _all_to_all_slot(self, r: int, objs: Any, size: int) -> bytearray:
+    def _all_to_all_slot(self, spec: CallSpec, r: int, size: int) -> bytearray:
         """Peer r's all_to_all: its slot, then its part's size and its part for the rank under test."""
-        theirs = self._peers("all_to_all", r, objs)
+        theirs = self._peers("all_to_all", r, spec.obj)
         problem = all_to_all_problem(theirs, self._size)  # what that rank's own check would report
         if problem is not None:
             return self._status_slot(r, _frame.INVALID, problem, size)
@@ -283,6 +218,97 @@ class FakeCommunicator(Communicator):
         part = _frame.pack(segments[self._rank])
         self._feed(r, [memoryview(_frame.I64.pack(len(part))), memoryview(part)])
         return _frame.encode(Op.ALL_TO_ALL, self._seq, -1, 0, [], size)
+
+    def _routed_slot(self, spec: CallSpec, r: int, size: int) -> bytearray:
+        """An object that travels by its op's route: the peer's object (``_peer_object``), serialized
+        and framed by the route's own code, and what the route's plan sends this rank after it."""
+        op, root, seq = spec.op, spec.root, self._seq
+        pobj = self._peer_object(spec, r)
+        route = ROUTES[op]
+        if route is SCATTER and r == root and (not isinstance(pobj, Sequence) or len(pobj) != self._size):
+            raise ValueError(
+                f"FakeCommunicator: scatter from src={root} needs the src's list of {self._size} objects: pass "
+                f"it on the rank under test too, or script it with peers=")
+        parts, status, message = route.serialize(self, root, pobj, r)
+        if status == _frame.OK and (over := over_max_bytes(self, sum(s.nbytes for p in parts for s in p))):
+            status, message = _frame.TOO_LARGE, over  # what the peer's own check would report
+        if status != _frame.OK:
+            return self._status_slot(r, status, message, size)
+        if route is SCATTER:
+            return self._scatter_slot(spec, r, parts, size)
+        slot, parts, decoded = build_slot(op, seq, root, 0, parts, size)
+        if route is GATHER and parts:
+            self._peer_segs[r] = parts[0]  # every segment, should the gather go up the tree
+        if route is BROADCAST:
+            if r == root and self._rank != root:  # the root's bytes reach this rank down the broadcast's tree
+                self._feed_broadcast(root, self._later(decoded, parts, 0))
+        elif route is not GATHER or self._rank == root:
+            self._feed(r, self._later(decoded, parts, 0))
+        return slot
+
+    def _peer_object(self, spec: CallSpec, r: int) -> Any:
+        """What peer r contributes to a routed collective: scripted, or what a real peer would send
+        on an exchange of another collective's (the error path's, an object reduction's outcome)."""
+        op, obj = spec.op, spec.obj
+        if op is Op.KEYS:
+            names, shapes, work_dtype = dict_signature(self._peer_dicts[r])
+            return [repr(k) for k in names], shapes, str(work_dtype), self._dict_op()
+        if op is Op.TENSOR_INFO:
+            theirs = self._peer_tensor(r, self._called[1]["tensor"])
+            return str(theirs.dtype), tuple(theirs.shape), self._user_reduce_op()
+        if op is Op.RESULT or op is Op.RESULTS:
+            return self._fold_outcome(spec, r)
+        if op is Op.GATHER and self._called[0] == "gather_in_order":
+            return self._in_order[r]  # the results that peer counted
+        pobj = self._peers(op.label, r, obj)
+        if op in _FOLD_OPS:
+            self._step1[r] = pobj
+        elif op is Op.SPLIT and pobj is obj:
+            # unscripted: new_group's members are known; split puts every peer in this rank's color
+            color, _, members = obj
+            pobj = ((None if r not in members else 0) if members is not None else color, r, members)
+        return pobj
+
+    def _fold_outcome(self, spec: CallSpec, r: int) -> Any:
+        """An object reduction's outcome from its root peer, folded as a real root would (None off it)."""
+        if r != spec.root:
+            return None
+        assert spec.stat is not None  # the reduction this result is of
+        name, fn = object_op(self._called[1]["op"])
+        pobj = fold_payload(spec.stat, [self._step1[i] for i in range(self._size)], name, fn, spec.root)
+        return (True, None) if spec.stat is Op.REDUCE_OBJECT and pobj[0] else pobj
+
+    def _scatter_slot(self, spec: CallSpec, r: int, parts: list[list[memoryview]], size: int) -> bytearray:
+        """A scatter's slot from peer r: a header off the root; from the root, this rank's part as
+        the root builds it (in its slot in small worlds, else after a header that announces it)."""
+        op, root, seq, me = spec.op, spec.root, self._seq, self._rank
+        if r != root:
+            return _frame.encode(op, seq, root, 0, [], size)
+        part_slot = part_slot_size(self, parts, root, size)
+        built = [build_slot(op, seq, root, 0, [p], part_slot) for p in parts]  # as that root builds them
+        status, message = parts_problem(self, [d for _, _, d in built])
+        if status != _frame.OK:
+            return self._status_slot(r, status, message, size)
+        sub, mine, decoded = built[me]
+        if self._size <= _frame.SMALL_WORLD:  # the slot of this rank's part comes in the exchange
+            self._feed(r, self._later(decoded, mine, 0))
+            return sub
+        self._feed(r, [memoryview(sub), *self._later(decoded, mine, 0)])
+        return scatter_head(op, seq, root, 0, part_slot, size)[0]
+
+    def _feed_broadcast(self, root: int, later: list[memoryview]) -> None:
+        """What the broadcast's tree brings this rank, from whom (the route's own plan of it)."""
+        stream = memoryview(b"".join(later))
+        for src, lo, hi in received_from(self, root, stream.nbytes):
+            self._feed(src, [stream[lo:hi]])
+
+    def _status_slot(self, r: int, status: int, message: str, size: int) -> bytearray:
+        assert self._call is not None
+        op, root = self._call.op, self._call.root
+        full = _frame.message_bytes(message)
+        if len(full) > size - _frame.HEADER_SIZE:  # the rest of a long message follows the slots
+            self._feed(r, [memoryview(full)])
+        return _frame.encode_status(status, op, self._seq, root, message, size)
 
     @staticmethod
     def _later(slot: _frame.Slot, parts: list[list[memoryview]], p: int) -> list[memoryview]:
@@ -373,6 +399,18 @@ class FakeCommunicator(Communicator):
             for r in range(self._size)]
         if dst is None or dst == self._rank:
             tensor.copy_(fold_tensors(values, op))
+
+
+_PeerSlot = Callable[[FakeCommunicator, CallSpec, int, int], bytearray]
+_PEER_SLOTS: dict[Op, _PeerSlot] = {
+    **dict.fromkeys((Op.SYNCHRONIZE, Op.REDUCE_DICT, Op.ALL_REDUCE_DICT), FakeCommunicator._header_slot),
+    Op.GATHER_IN_ORDER: FakeCommunicator._count_slot,
+    **dict.fromkeys(_TENSOR_OPS, FakeCommunicator._tensor_slot),
+    Op.ALL_TO_ALL: FakeCommunicator._all_to_all_slot,
+}
+"""How a scripted peer's slot is built for the collectives that don't travel as a routed object:
+one builder per family. A collective of an existing family joins its builder's entry; a routed
+collective needs none (``_routed_slot``, with ``_peer_object`` for what the peer contributes)."""
 
 
 def _as_dict_values(d: Any) -> Any:
