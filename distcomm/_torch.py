@@ -13,13 +13,15 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as _dc10d
 
 from . import _frame
-from ._agreement import check_settings
+from ._agreement import check_settings, spans
 from ._calls import CallSpec, Op
 from ._communicator import DEFAULT_SLOT_BYTES, Communicator
 from ._defaults import clear_default
 from ._errors import (
+    CollectiveError,
     CommunicatorStateError,
 )
 from ._gathered_reduce import gathered_reduce, gathered_traffic, takes_gathered
@@ -600,6 +602,8 @@ class _TorchCommunicator(Communicator):
 
     # ------------------------------------------------------------------ sub-communicators
     def _make_sub(self, groups: list[list[int]], mine: list[int] | None, timeout: float | None) -> Communicator | None:
+        if not self._is_world:  # (on the world, torch names groups from a count every rank keeps alike)
+            self._refuse_misnamed(groups, timeout)
         backend = str(dist.get_backend(self._group))
         made = [self._new_group(members, backend) for members in groups]  # every rank, every group, in order
         if mine is None:
@@ -610,6 +614,24 @@ class _TorchCommunicator(Communicator):
         self._owned.remove(group)  # the sub-communicator destroys its group when it closes
         sub._owned.insert(0, group)
         return sub
+
+    def _refuse_misnamed(self, groups: list[list[int]], timeout: float | None) -> None:
+        """Refuse, on every rank and before any group is made, groups whose members torch would name
+        differently: it names a group made with use_local_synchronization from its ranks and the
+        count of groups the process holds. Members whose counts differ (some of them hold an open
+        new_group the others aren't in) would each wait at a name of their own until the timeout."""
+        counts = list(self._run(CallSpec(Op.SPLIT, -1, len(_dc10d._world.pg_names), timeout)))
+        for members in groups:  # made in this order on every rank, each adding one to its members' counts
+            held = [counts[r] for r in members]
+            if len(set(held)) > 1:
+                more = [r for r in members if counts[r] != min(held)]
+                raise CollectiveError(
+                    f"split: {spans(members)} would make a group together but hold different numbers of torch "
+                    f"process groups ({spans(more)} more: a new_group of only some ranks, still open); torch would "
+                    f"name the group differently on them and they would wait for each other; close that new_group "
+                    f"first", op="split", ranks=more)
+            for r in members:
+                counts[r] += 1
 
     def _sub_kwargs(self, timeout: float | None) -> dict[str, Any]:
         return self._sub_settings(timeout)

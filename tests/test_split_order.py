@@ -206,3 +206,26 @@ def test_dup_is_closed_with_its_parent_and_recorded_by_the_fake() -> None:
         assert text.endswith("closed)")
     fake = FakeCommunicator(0, 2)
     assert fake.dup().world_size == 2 and [c.op for c in fake.calls] == ["dup"]
+
+
+def _split_beside_a_partial_new_group(comm: distcomm.Communicator) -> Any:
+    """On a sub-communicator, ranks 0 and 1 keep a new_group open, then every rank splits across it."""
+    sub = comm.dup(timeout=30)
+    pair = sub.new_group([0, 1])
+    try:
+        sub.split(sub.rank % 2)  # {0, 2} and {1, 3}: members that hold the pair's group and members that don't
+    except distcomm.DistCommError as e:
+        return type(e).__name__, str(e)
+    finally:
+        if pair is not None:
+            pair.close()
+        sub.close()
+    return "no error", ""
+
+
+def test_a_split_across_an_open_partial_new_group_is_refused() -> None:
+    """torch would name the split's groups differently on ranks that hold the open group and on
+    ranks that don't, which then wait for each other: refused on every rank, before any group."""
+    for r, (kind, text) in enumerate(spawn(_split_beside_a_partial_new_group, 4, timeout=120, reuse=False)):
+        assert kind == "CollectiveError", (r, kind, text)
+        assert "ranks 0, 2 would make a group together" in text and "close that new_group" in text, (r, text)
