@@ -210,13 +210,16 @@ def check_peers(comm: _TorchCommunicator, needed: Iterable[int], seen: dict[int,
                         op=comm._op_label, ranks=[r for r, _ in gone])
 
 
-def ask_store(comm: _TorchCommunicator,
-              grace: float) -> tuple[list[int], dict[int, str]] | Literal["no store", "unreachable"]:
+def ask_store(comm: _TorchCommunicator, grace: float,
+              lost: bool = False) -> tuple[list[int], dict[int, str]] | Literal["no store", "unreachable"]:
     """Write that this rank failed at this call, and what it is doing; wait ``grace`` for the
     others. Return who reached this call, and what each rank that failed in any call reported;
-    or why not: no store to ask (or set-up, before the ranks share a token), or it didn't answer."""
+    or why not: no store to ask (or set-up, before the ranks share a token), or it didn't answer.
+    ``lost``: the transport lost a connection (its peer may be exiting)."""
     if comm._store is None or not comm._token:
         return "no store"
+    if not _store_answers(comm, lost):
+        return "unreachable"
     prefix = f"distcomm/{comm._token}/{comm._seq}/"
     states = f"distcomm/{comm._token}/state/"
     try:
@@ -235,12 +238,44 @@ def ask_store(comm: _TorchCommunicator,
         return "unreachable"
 
 
-def store_host(comm: _TorchCommunicator) -> int | None:
-    """The rank (in this group) whose process serves the job's TCPStore: global rank 0."""
+def _tcp_store(comm: _TorchCommunicator) -> Any:
+    """The job's TCPStore under its prefixes, or None (another kind of store, or none)."""
     store = comm._store
     while store is not None and hasattr(store, "underlying_store"):  # PrefixStore
         store = store.underlying_store
-    if store is None or type(store).__name__ != "TCPStore" or 0 not in comm._ranks:
+    return store if store is not None and type(store).__name__ == "TCPStore" else None
+
+
+def _store_answers(comm: _TorchCommunicator, lost: bool) -> bool:
+    """Whether the job's TCPStore still takes connections. torch's store client logs a warning with
+    a dump of C++ stack frames for every call to a store that is gone (its host exited first), which
+    would bury this rank's report; a plain connection to its port tells the same silently. A host
+    on this machine is looked at first: one that is exiting may still take a connection, so where a
+    connection was ``lost`` it is given a moment to be gone (not otherwise: the other ranks' grace
+    for this rank's report is running)."""
+    store = _tcp_store(comm)
+    if store is None:
+        return True
+    host = store_host(comm)
+    pid = None if host is None or host == comm._rank else comm._peer_pids.get(host)
+    if pid is not None:
+        deadline = time.monotonic() + (0.25 if lost else 0.0)
+        while alive(pid):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        else:
+            return False
+    try:
+        with socket.create_connection((store.host, store.port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+def store_host(comm: _TorchCommunicator) -> int | None:
+    """The rank (in this group) whose process serves the job's TCPStore: global rank 0."""
+    if _tcp_store(comm) is None or 0 not in comm._ranks:
         return None
     return comm._ranks.index(0)
 
@@ -252,7 +287,8 @@ def fail(comm: _TorchCommunicator, exc: BaseException, timeout: float | None) ->
     what = f"{comm._op_label} (call #{seq})"
     comm._mark_broken(f"{what}: {text[:160]}")
     grace = 2.0 if timeout is None else min(2.0, max(0.5, timeout / 4))
-    reported = ask_store(comm, grace)
+    closed = "closed" in low or "reset" in low or "broken pipe" in low or "connection" in low
+    reported = ask_store(comm, grace, lost=closed)
     present, told = (None, {}) if isinstance(reported, str) else reported
     missing = [] if present is None else [r for r in range(comm._world) if r not in present]
     told[comm._rank] = comm._state()
@@ -265,7 +301,6 @@ def fail(comm: _TorchCommunicator, exc: BaseException, timeout: float | None) ->
         missing = [host]
         who = f"; rank {host}, which hosts the job's store, is unreachable (it exited or its machine is down)"
     timed_out = "timed out" in low or "timeout" in low
-    closed = "closed" in low or "reset" in low or "broken pipe" in low or "connection" in low
     if timed_out and not ("closed by peer" in low and present is not None and not missing):
         raise CollectiveTimeoutError(
             f"{what} timed out after {timeout}s waiting for its peers{who} (transport: {text[:200]}){table}",

@@ -9,6 +9,8 @@ from __future__ import annotations
 import functools
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -463,3 +465,29 @@ def test_spawn_kills_and_names_a_hung_rank() -> None:
     with pytest.raises(RankFailedError, match="rank 0 did not finish within 8"):
         spawn(fn, 2, timeout=8)
     assert time.monotonic() - t0 < 20
+
+
+_RANK_0_EXITS = """
+import os
+import distcomm
+
+def main():
+    comm = distcomm.current()
+    if comm.rank == 0:
+        os._exit(3)  # the process that serves the job's store goes first
+    comm.all_gather(comm.rank, timeout=30)
+
+if __name__ == "__main__":
+    distcomm.launch(main, num_processes_per_machine=2, timeout=120)
+"""
+
+
+def test_a_dead_store_host_leaves_only_distcomms_report(tmp_path: Path) -> None:
+    """The survivor's report names rank 0; torch's TCPStore warnings (a stack-frame dump per failed
+    store call) don't follow it into the output."""
+    script = tmp_path / "job.py"
+    script.write_text(_RANK_0_EXITS)
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert proc.returncode != 0
+    assert "rank 0, which hosts the job's store, is unreachable" in proc.stderr, proc.stderr[-3000:]
+    assert "TCPStore" not in proc.stderr and "frame #" not in proc.stderr, proc.stderr[-3000:]
