@@ -89,6 +89,7 @@ def start_world(
         comm = cls(None, timeout=timeout, _owns_default=True, **kwargs)
         comm._machines_declared = True  # the job's launcher knows its machines (the reference's launch())
         comm._launcher = launcher
+        comm._store_by_rank0 = hosted
         set_default(comm)  # every thread of the process sees it
         return comm
     except BaseException:

@@ -172,6 +172,8 @@ class _TorchCommunicator(Communicator):
 
     backend: ClassVar[str]
     """The torch.distributed backend of the default group this class starts (``from_env``)."""
+    _store_by_rank0 = True
+    """Whether global rank 0's process serves the job's store (not where a torchrun agent does)."""
 
     # ------------------------------------------------------------------ set-up
     def _check_backend(self, backend: str) -> None:
@@ -613,6 +615,7 @@ class _TorchCommunicator(Communicator):
                          **self._sub_kwargs(timeout))
         self._owned.remove(group)  # the sub-communicator destroys its group when it closes
         sub._owned.insert(0, group)
+        sub._store_by_rank0 = self._store_by_rank0
         return sub
 
     def _refuse_misnamed(self, groups: list[list[int]], timeout: float | None) -> None:

@@ -274,8 +274,9 @@ def _store_answers(comm: _TorchCommunicator, lost: bool) -> bool:
 
 
 def store_host(comm: _TorchCommunicator) -> int | None:
-    """The rank (in this group) whose process serves the job's TCPStore: global rank 0."""
-    if _tcp_store(comm) is None or 0 not in comm._ranks:
+    """The rank (in this group) whose process serves the job's TCPStore: global rank 0 (None where
+    a launcher's own process serves it, as torchrun's agent does)."""
+    if _tcp_store(comm) is None or 0 not in comm._ranks or not comm._store_by_rank0:
         return None
     return comm._ranks.index(0)
 

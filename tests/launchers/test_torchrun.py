@@ -114,3 +114,21 @@ def test_a_rendezvous_whose_agent_does_not_share_its_store(scripts: Path) -> Non
                  python_env({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}), scripts)
     said = ranks_said(result, 2)
     assert [(s["launcher"], s["gathered"]) for s in said] == [("torchrun", [0, 1])] * 2
+
+
+STORE_HOST = textwrap.dedent("""
+    import distcomm
+    from distcomm._waits import store_host
+
+    with distcomm.from_env(timeout=30) as comm:
+        print(f"HOST rank {comm.rank}: {store_host(comm)}", flush=True)
+""")
+
+
+def test_a_failure_report_does_not_blame_rank_0_for_the_agents_store(tmp_path: Path) -> None:
+    """Under torchrun the agent serves the store: a rank that can't reach it mustn't name rank 0."""
+    script = tmp_path / "host.py"
+    script.write_text(STORE_HOST)
+    result = _torchrun(script)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "HOST rank 0: None" in result.stdout and "HOST rank 1: None" in result.stdout
