@@ -60,8 +60,9 @@ from ._errors import (
     SerializationError,
     UnsafePayloadError,
 )
+from ._from_env import from_env
 from ._handles import Handle
-from ._launch import free_port, from_env, launch
+from ._launch import free_port, launch
 from ._local import LocalCommunicator
 from ._serialization import PickleSerializer, SafeSerializer, Serializer
 from ._torch import GlooCommunicator, NcclCommunicator
