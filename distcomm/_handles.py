@@ -232,6 +232,9 @@ def as_caller(fn: Callable[[], _R]) -> Callable[[], _R]:
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
     device, stream = (torch.cuda.current_device(), torch.cuda.current_stream()) if cuda else (None, None)
 
+    if grad and not inference and device is None:
+        return fn  # what a new thread starts with: nothing to carry
+
     def run() -> _R:
         with torch.inference_mode() if inference else torch.set_grad_enabled(grad):
             if device is None:

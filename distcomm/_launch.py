@@ -42,7 +42,9 @@ __all__ = ["free_port", "launch"]
 _PR_SET_PDEATHSIG = 1
 _LONGEST = 300  # characters of an exception's message in a one-line description
 _GRACE = 2.0  # seconds the other processes get to report, once one failed, before they are ended
-_STACK_SIGNAL = getattr(signal, "SIGUSR1", signal.SIGTERM)  # asks a process for its stacks
+# asks a process for its stacks: a real-time signal, which programs don't use (SIGUSR1 is Slurm's
+# and Lightning's preemption signal); None where there is none (no stacks then)
+_STACK_SIGNAL: int | None = signal.SIGRTMIN + 7 if hasattr(signal, "SIGRTMIN") else None
 _STACK_SECONDS = 0.5  # how long those stacks get to be written
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _LIBRARY_DIRS = tuple(sorted({os.path.abspath(p) + os.sep for k, p in sysconfig.get_paths().items()
@@ -61,11 +63,12 @@ def _die_with(parent: int) -> None:
         os._exit(1)
 
 
-def _end(processes: Sequence[Any], grace: float = 3.0) -> None:
-    """Stop every process still running: SIGTERM, then SIGKILL after ``grace`` seconds. Each is
-    first asked for its threads' stacks (``_stacks_on_request``), for the error that names it."""
+def _end(processes: Sequence[Any], grace: float = 3.0, stacks: bool = False) -> None:
+    """Stop every process still running: SIGTERM, then SIGKILL after ``grace`` seconds. With
+    ``stacks`` (a rank failed, the others are ended), each is first asked for its threads' stacks
+    (``_stacks_on_request``), for the error that names it; not on Ctrl-C or a normal end."""
     alive = [p for p in processes if p.is_alive()]
-    if alive:
+    if alive and stacks and _STACK_SIGNAL is not None:
         for p in alive:
             with contextlib.suppress(OSError):
                 os.kill(p.pid, _STACK_SIGNAL)
@@ -138,7 +141,9 @@ def _report(where: str, index: int, e: BaseException) -> bool:
 def _stacks_on_request(reports: str, index: int) -> None:
     """Write this process's threads' stacks to ``<index>.stack`` when the launcher asks (before it
     ends a process that hangs), from a signal handler: also while the process waits in C code."""
-    with contextlib.suppress(OSError, ValueError, AttributeError):  # no such signal: no stacks
+    if _STACK_SIGNAL is None or signal.getsignal(_STACK_SIGNAL) not in (signal.SIG_DFL, None):
+        return  # no such signal, or the program handles it itself: no stacks
+    with contextlib.suppress(OSError, ValueError, AttributeError):
         f = open(os.path.join(reports, f"{index}.stack"), "w")  # kept open: faulthandler writes to it later
         faulthandler.register(_STACK_SIGNAL, file=f, all_threads=True)
 
@@ -421,7 +426,7 @@ def launch(
         )
         failed = _wait(context.processes, _GRACE)
         if failed:
-            _end(context.processes)  # before reading the reports: none is written after
+            _end(context.processes, stacks=True)  # before reading the reports: none is written after
             raise _failure(context.processes, failed, reports, first,
                            getattr(context, "error_files", ())) from None
     finally:  # on every way out, processes still running are ended (those started before an interrupt

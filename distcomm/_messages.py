@@ -15,9 +15,13 @@ send/recv, with tags of their own (``GLOO_TAG_BASE`` + tag) that never meet the 
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import os
 import struct
+import sys
 import time
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -182,10 +186,15 @@ ranks that send small messages on different tags before receiving them don't wai
 Below the 64 KiB at which buffers travel out of band: the copy is of the pickle stream only."""
 
 
+EAGER_PENDING = 256
+"""Eager sends a communicator keeps in flight: past this, a send waits for its receiver (as MPI
+falls back from eager to rendezvous), so that a producer faster than its consumer holds no more."""
+
+
 def torch_send(comm: _TorchCommunicator, dst: int, tag: int, parts: list[torch.Tensor], timeout: float | None) -> None:
     what = f"send to rank {dst} (tag {tag})"
     g = comm._obj_group
-    eager = sum(p.numel() for p in parts) < EAGER_BYTES
+    eager = sum(p.numel() for p in parts) < EAGER_BYTES and _room_for_eager(comm)
     if eager:
         parts = [p.clone() for p in parts]  # the sender may change its object once send returns
     try:
@@ -193,21 +202,52 @@ def torch_send(comm: _TorchCommunicator, dst: int, tag: int, parts: list[torch.T
     except Exception as e:
         _failed(comm, e, what, dst, timeout)
     if eager:  # gloo needs the works (and their buffers) kept until the receiver has taken them
-        comm._eager = [w for w in comm._eager if not w.is_completed()] + works
+        with comm._eager_lock:  # sends on several lanes (threads) at once
+            comm._eager.extend(works)
+        if not comm._eager_at_exit:  # a script that never closes its communicator: at exit then
+            comm._eager_at_exit = True
+            atexit.register(_settle_at_exit, weakref.ref(comm))
         return
     _await(comm, works, dst, timeout, what)
 
 
-def settle_eager(comm: _TorchCommunicator, timeout: float | None) -> None:
-    """Before the groups go: wait, up to ``timeout``, for the eager sends' receivers to take them."""
+def _room_for_eager(comm: _TorchCommunicator) -> bool:
+    """Whether another eager send fits under ``EAGER_PENDING``, once the taken ones are let go."""
+    with comm._eager_lock:
+        if len(comm._eager) >= EAGER_PENDING // 2:
+            comm._eager = [w for w in comm._eager if not w.is_completed()]
+        return len(comm._eager) < EAGER_PENDING
+
+
+def settle_eager(comm: _TorchCommunicator, timeout: float | None) -> int:
+    """Before the groups go: wait, up to ``timeout``, for the eager sends' receivers to take them.
+    Returns how many were not taken."""
+    with comm._eager_lock:
+        pending, comm._eager = comm._eager, []
     deadline = None if timeout is None else time.monotonic() + timeout
-    for w in comm._eager:
+    lost = 0
+    for w in pending:
         left = None if deadline is None else max(deadline - time.monotonic(), 0.001)
         try:
             w.wait() if left is None else w.wait(datetime.timedelta(seconds=left))
-        except Exception:  # noqa: S112 - the peer is gone or never received it: nothing to report to
-            continue
-    comm._eager = []
+        except Exception:  # the peer is gone or never received it
+            lost += 1
+    return lost
+
+
+_AT_EXIT_SECONDS = 60.0
+"""The longest a process waits at exit for its eager sends' receivers (bounded by the timeout too)."""
+
+
+def _settle_at_exit(ref: weakref.ref[_TorchCommunicator]) -> None:
+    comm = ref()
+    if comm is None or comm._closed or not comm._eager or os.getpid() != comm._pid:
+        return
+    limit = _AT_EXIT_SECONDS if comm._timeout is None else min(comm._timeout, _AT_EXIT_SECONDS)
+    lost = settle_eager(comm, limit)
+    if lost:
+        print(f"distcomm: rank {comm.rank} exits with {lost} message(s) it sent that no receiver took within "
+              f"{limit:g} s", file=sys.stderr)
 
 
 def torch_recv(comm: _TorchCommunicator, src: int, tag: int, bufs: list[torch.Tensor], timeout: float | None) -> None:

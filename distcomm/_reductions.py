@@ -164,7 +164,8 @@ def _reduced_values(comm: Communicator, call: Op, values: list[torch.Tensor], wo
     collective; None off the root of a reduce_dict."""
     flat = [v.detach().reshape(-1).to(work_dtype) for v in values]
     work = flat[0].clone() if len(flat) == 1 else torch.cat(flat)
-    unsigned = _unsigned_mask(values, work) if op in ("max", "min") else None
+    # (only where the work is int64: a dict that also holds floats reduces in float64, unflipped)
+    unsigned = _unsigned_mask(values, work) if op in ("max", "min") and work.dtype == torch.int64 else None
     if unsigned is not None:  # uint64 in int64 keeps sums exact, not order: flip the top bit, and back
         work ^= unsigned
     orig = work.device

@@ -6,6 +6,7 @@ import datetime
 import os
 import secrets
 import socket
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Literal
@@ -121,6 +122,8 @@ class _TorchCommunicator(Communicator):
         self._owns_default = _owns_default
         self._owned: list[Any] = []
         self._eager: list[Any] = []  # small sends posted without waiting (see _messages.torch_send)
+        self._eager_lock = threading.Lock()
+        self._eager_at_exit = False  # whether exit waits for them (registered with the first)
         rank = dist.get_rank(self._group)
         if rank < 0:
             raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the given group")

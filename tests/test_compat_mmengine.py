@@ -240,3 +240,12 @@ def test_init_dist_starts_from_the_launchers_variables(monkeypatch: pytest.Monke
     assert compat.infer_launcher() == inferred
     compat.init_dist(launcher, backend="gloo", port=29555)
     assert os.environ["MASTER_PORT"] == "29555"
+
+
+def test_before_init_dist_under_a_launcher_it_answers_as_mmengine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """mmengine answers (0, 1) until init_dist; distcomm's own helpers refuse a silent world of one."""
+    for var, value in {"TORCHELASTIC_RUN_ID": "r", "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(var, value)
+    assert (compat.get_dist_info(), compat.is_main_process(), compat.is_distributed()) == ((0, 1), True, False)
+    assert compat.barrier() is None

@@ -111,3 +111,31 @@ def test_the_launchers_own_error_says_the_main_guard_is_missing(tmp_path: Path) 
     got = run_script(tmp_path / "job.py", source, timeout=180)["message"]
     first = got.splitlines()[0]
     assert "launch() is called at job.py:4 outside an `if __name__ == \"__main__\":` guard" in first, got
+
+
+OWN_SIGUSR1 = textwrap.dedent("""
+    import json, os, signal, sys, time
+    import distcomm
+
+    out = os.path.dirname(os.path.abspath(__file__))
+
+    def checkpoint(signum, frame):  # a preemption handler, as Slurm's --signal=USR1@N calls it
+        open(os.path.join(out, f"handled{os.getpid()}"), "w").close()
+
+    signal.signal(signal.SIGUSR1, checkpoint)  # at import: each launched process installs it too
+
+    def main():
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.2)
+        distcomm.synchronize()
+
+    if __name__ == "__main__":
+        distcomm.launch(main, 2, timeout=60)
+        print("RESULT", json.dumps({"handled": len([f for f in os.listdir(out) if f.startswith("handled")])}))
+""")
+
+
+@pytest.mark.slow
+def test_launch_leaves_the_programs_own_sigusr1_alone(tmp_path: Path) -> None:
+    """launch() asked for stacks with SIGUSR1 and replaced the program's preemption handler."""
+    assert run_script(tmp_path / "job.py", OWN_SIGUSR1, timeout=120) == {"handled": 2}

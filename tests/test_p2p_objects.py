@@ -202,3 +202,74 @@ def test_the_fake_refuses_a_recv_nobody_scripted() -> None:
     with pytest.raises(ValueError, match="peers="):
         sub.recv(1)
     assert fake.all_gather(5) == [5, 5]  # still usable
+
+
+def _many_small_sends_at_once(comm: distcomm.Communicator) -> Any:
+    import sys
+
+    if comm.rank == 0:
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)  # threads switch often: the lanes' sends interleave
+        try:
+            handles = [comm.isend({"i": i}, 1, tag=i) for i in range(64)]
+            for h in handles:
+                h.wait(timeout=60)
+        finally:
+            sys.setswitchinterval(interval)
+        return "sent"
+    time.sleep(1.0)  # every send is posted, eagerly, before anything is received
+    return [comm.recv(0, tag=i, timeout=60)["i"] for i in range(64)]
+
+
+def test_eager_sends_on_many_lanes_at_once_all_arrive() -> None:
+    """Each lane posts from a thread of its own: the list of sends in flight is shared (a send
+    dropped from it lost its message and broke the pair)."""
+    assert spawn(_many_small_sends_at_once, 2, timeout=120, reuse=False) == ["sent", list(range(64))]
+
+
+def _producer_faster_than_its_consumer(comm: distcomm.Communicator) -> Any:
+    from distcomm._messages import EAGER_PENDING
+
+    if comm.rank == 0:
+        most = 0
+        for i in range(EAGER_PENDING + 100):
+            comm.send(i, 1, tag=1)
+            most = max(most, len(comm._eager))  # type: ignore[attr-defined]
+        return most <= EAGER_PENDING
+    time.sleep(2.0)
+    return [comm.recv(0, tag=1, timeout=60) for _ in range(EAGER_PENDING + 100)] == list(range(EAGER_PENDING + 100))
+
+
+def test_eager_sends_in_flight_are_bounded() -> None:
+    """Past EAGER_PENDING a send waits for its receiver: a faster producer holds no more, in order."""
+    assert spawn(_producer_faster_than_its_consumer, 2, timeout=180, reuse=False) == [True, True]
+
+
+LAST_SEND = """
+import os, sys, time
+import distcomm
+
+comm = distcomm.from_env(timeout=60)  # never closed, as many scripts do
+if comm.rank == 0:
+    comm.send({"final": "metrics"}, 1, tag=1)  # eager: returns before rank 1 receives it
+else:
+    time.sleep(1.0)  # rank 0 has reached its exit by now
+    print("GOT", comm.recv(0, tag=1), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_the_last_eager_send_before_exit_arrives(tmp_path: Any) -> None:
+    import subprocess
+    import sys
+
+    script = tmp_path / "last.py"
+    script.write_text(LAST_SEND)
+    port = str(distcomm.free_port())
+    procs = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "RANK": str(r),
+                                              "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+             for r in (0, 1)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert "GOT {'final': 'metrics'}" in outs[1], outs

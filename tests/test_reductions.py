@@ -122,6 +122,18 @@ def test_uint64_max_and_min_are_exact_at_and_above_2_63(world: str) -> None:
         assert got == [[2**63 + 5, 2**64 - 1, 2**63 + 1], [-1], [2**63 - 1, 2**63, 3], [-2]]
 
 
+def _unsigned_beside_floats(comm: distcomm.Communicator) -> list[Any]:
+    got = comm.all_reduce_dict({"n": torch.tensor(7 + comm.rank, dtype=torch.uint64),
+                                "loss": torch.tensor(0.5 * comm.rank)}, op="max")
+    return [float(got["loss"]), float(got["n"]), str(got["n"].dtype)]
+
+
+def test_uint64_beside_floats_reduces_in_float64() -> None:
+    """A dict with floats reduces in float64: the uint64 flip (for int64 work) must stay out of it."""
+    for got in run_threaded(_unsigned_beside_floats, 2, timeout=60):
+        assert got == [0.5, 8.0, "torch.uint64"]
+
+
 def _integer_means(comm: distcomm.Communicator) -> list[str]:
     d = {"n": torch.tensor(3), "flag": torch.tensor(True), "x": torch.tensor(0.5, dtype=torch.float64)}
     everywhere = [str(v.dtype) for v in comm.all_reduce_dict(d).values()]

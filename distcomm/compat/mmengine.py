@@ -64,14 +64,21 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+# Outside a distributed job (before init_dist too, where a launcher started the process and
+# distcomm's own helpers refuse a silent world of one), mmengine answers as a world of one.
+
 def get_world_size(group: Any = None) -> int:
     """The number of ranks of the current communicator (1 outside a distributed job), or of ``group``."""
-    return _world_size() if group is None else dist.get_world_size(group)
+    if group is not None:
+        return dist.get_world_size(group)
+    return _world_size() if is_distributed() else 1
 
 
 def get_rank(group: Any = None) -> int:
     """This process's rank in the current communicator (0 outside a distributed job), or in ``group``."""
-    return _rank() if group is None else dist.get_rank(group)
+    if group is not None:
+        return dist.get_rank(group)
+    return _rank() if is_distributed() else 0
 
 
 def get_dist_info(group: Any = None) -> tuple[int, int]:
@@ -436,4 +443,6 @@ def collect_results_gpu(result_part: list[Any], size: int) -> list[Any] | None:
 
 def barrier(group: Any = None) -> None:
     """Wait for every rank of the current communicator (or ``group``). Outside a distributed job: nothing."""
+    if group is None and not is_distributed():
+        return
     communicator(group).synchronize()
