@@ -43,6 +43,7 @@ class Op(IntEnum):
     SHARED_RANDOM_SEED = 24
     CREATE_LOCAL_GROUPS = 25
     GATHER_IN_ORDER = 26  # every rank's count of results (then a gather)
+    ADMIT = 27  # who comes in, from rank 0 (see _membership.admit)
 
     @property
     def label(self) -> str:

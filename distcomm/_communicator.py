@@ -34,6 +34,7 @@ from ._calls import CallSpec, Op, OpStats
 from ._errors import CollectiveError, CommunicatorStateError
 from ._groups import dup, regroup_machines, split, sub_settings
 from ._handles import Handle, Queues, refuse_close
+from ._membership import Membership
 from ._memory import seconds
 from ._messages import irecv, isend
 from ._one_at_a_time import COLLECTIVES, exclusive, user_site
@@ -166,6 +167,7 @@ class Communicator(abc.ABC):
         self._seq = 0
         self._pid = os.getpid()
         self._closed = False
+        self._ending_on_error = False
         self._broken: str | None = None
         self._misused: str | None = None  # why every later collective fails on every rank (see _one_at_a_time)
         self._stats: dict[str, OpStats] = {}
@@ -278,7 +280,10 @@ class Communicator(abc.ABC):
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("broken" if self._broken else "open")
         launcher = f", launcher={self._launcher}" if self._launcher else ""
-        return f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size}, {state}{launcher})"
+        m = self.membership
+        changed = ((f", lost={list(m.lost)}" if m.lost else "")
+                   + (f", admitted={list(m.admitted)}" if m.admitted else ""))
+        return f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size}, {state}{launcher}{changed})"
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
@@ -303,6 +308,7 @@ class Communicator(abc.ABC):
         return self
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        self._ending_on_error = exc is not None  # (then nothing waits long for peers at close)
         if exc is not None and self._pending_calls():
             # closing under running calls would break them, and raising would hide the error that
             # ends the block: it stays open, and the error says so
@@ -724,6 +730,40 @@ class Communicator(abc.ABC):
             raise ValueError(f"num_workers_per_machine={n} does not divide world_size {self.world_size}")
         self._check_usable()
         regroup_machines(self, n)
+
+    # ------------------------------------------------------------------ membership
+    @property
+    def membership(self) -> Membership:
+        """Who this communicator's ranks are in the job: each one's launcher rank (``job_ranks``),
+        and the job ranks the shrink that made it lost (``lost``) or the admit let in (``admitted``)."""
+        return Membership(tuple(range(self.world_size)))
+
+    def shrink(self, *, timeout: float | datetime.timedelta | None = None) -> Communicator:
+        """A new communicator of the ranks still alive, after a call failed because ranks were lost.
+
+        Every survivor calls it; they agree on who is gone, even if another rank dies meanwhile,
+        and are renumbered in their old order. A rank that is alive but slow is waited for until
+        the timeout. This communicator (and its sub-communicators) is closed: split the new one
+        again. A communicator that lost no one gives one of the same membership.
+
+        Raises:
+            PeerError: the job's store was lost with the rank that hosted it.
+            CommunicatorStateError: this rank was left out (it came after the others' timeout), or
+                this communicator is not a job's (a sub-communicator, an adopted group).
+        """
+        return self
+
+    def admit(self, *, timeout: float | datetime.timedelta | None = None) -> Communicator:
+        """A new communicator that includes the processes waiting to join the job (replacements
+        started with a lost rank's launcher variables); this one when no one waits.
+
+        Collective: every member calls it, at a point where all agree (a step boundary). Members
+        and newcomers are ordered by their launcher rank, so a replacement takes the place of the
+        rank it replaces. Hand the newcomers the state they need with the new communicator's
+        collectives (``broadcast``). This communicator is closed when someone came in.
+        """
+        self._check_usable()
+        return self
 
     def _set_machines(self, machines: list[list[int]]) -> None:
         """Take ``machines`` (the ranks of each machine, in order) as the local grouping."""

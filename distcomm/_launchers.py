@@ -150,7 +150,7 @@ def _torchrun(env: Mapping[str, str]) -> LaunchEnv | None:
                      _int(env, "GROUP_WORLD_SIZE", 1), env.get("MASTER_ADDR"),
                      _int(env, "MASTER_PORT"), restart,
                      "" if "MASTER_ADDR" in env else "torchrun set no MASTER_ADDR",
-                     f"torchrun-{env['TORCHELASTIC_RUN_ID']}-attempt-{restart}",
+                     f"torchrun-{env['TORCHELASTIC_RUN_ID']}",  # (no attempt: the store counts rounds)
                      env.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
 
 

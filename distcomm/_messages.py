@@ -48,8 +48,8 @@ if TYPE_CHECKING:
     from ._communicator import Communicator
     from ._torch import _TorchCommunicator
 
-__all__ = ["EAGER_BYTES", "GLOO_TAG_BASE", "TAGS", "decode", "encode", "isend", "irecv", "settle_eager", "torch_recv",
-           "torch_send"]
+__all__ = ["EAGER_BYTES", "GLOO_TAG_BASE", "TAGS", "decode", "encode", "isend", "irecv", "settle_eager",
+           "settle_limit", "torch_recv", "torch_send"]
 
 _R = TypeVar("_R")
 
@@ -237,13 +237,26 @@ def settle_eager(comm: _TorchCommunicator, timeout: float | None) -> int:
 
 _AT_EXIT_SECONDS = 60.0
 """The longest a process waits at exit for its eager sends' receivers (bounded by the timeout too)."""
+FAILING_SECONDS = 2.0
+"""The longest a rank that ends on an error waits for them: a receiver may be waiting in a
+collective for this very rank, and would wait for its timeout while this one waits for it."""
+
+
+def settle_limit(comm: _TorchCommunicator, failing: bool) -> float | None:
+    """How long closing ``comm`` waits for its eager sends' receivers."""
+    limit = comm._timeout
+    if failing or comm._broken is not None:
+        limit = FAILING_SECONDS if limit is None else min(limit, FAILING_SECONDS)
+    return limit
 
 
 def _settle_at_exit(ref: weakref.ref[_TorchCommunicator]) -> None:
     comm = ref()
     if comm is None or comm._closed or not comm._eager or os.getpid() != comm._pid:
         return
-    limit = _AT_EXIT_SECONDS if comm._timeout is None else min(comm._timeout, _AT_EXIT_SECONDS)
+    dying = getattr(sys, "last_value", None) is not None  # the program ends on an uncaught error
+    limit = settle_limit(comm, dying)
+    limit = _AT_EXIT_SECONDS if limit is None else min(limit, _AT_EXIT_SECONDS)
     lost = settle_eager(comm, limit)
     if lost:
         print(f"distcomm: rank {comm.rank} exits with {lost} message(s) it sent that no receiver took within "

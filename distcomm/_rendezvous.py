@@ -4,19 +4,26 @@ distcomm makes the store itself rather than hand torch a URL, for three reasons:
 - torch's ``tcp://`` and ``env://`` handlers change what they do when torchelastic's variables are
   set (they turn every rank into a client of the agent's store), so a URL that works under
   ``python`` hangs under torchrun;
-- under torchrun's static rendezvous the agent keeps one store across restarts, and the workers'
-  keys carry no attempt number: a restarted rank can read a dead peer's address and fail to connect
-  (torch's own initialisation fails about half of the restarts that way). Our keys live under the
-  job (the launcher's job id; torchrun's run id and restart count), its world size, and a generation
-  counted in the store, so a second rendezvous in one attempt, or another job that happens onto the
-  same port, never reads this one's keys;
+- the ranks of a job meet in *rounds by rank*, the way torch elastic's dynamic rendezvous counts
+  participants: each rank has one place in a round, a process that arrives again (a restarted one)
+  takes its own place back instead of another rank's, and a round is complete when every rank of
+  the world holds its place. The round number lives in the store, so the ranks of every node agree
+  on it whatever each launcher's agent counted (torchrun's restart counts differ per node), and a
+  second rendezvous in one process, or a restart, is simply the next round;
 - every wait is bounded by the timeout and, when it runs out, names the ranks that never came.
+
+The store is torch's own TCPStore (the one every torch job already trusts); only the keys are ours.
+A store this process serves (rank 0's, where no launcher hosts one) is kept for the life of the
+process: other ranks may still be reaching it for a later round, and survivors of a lost rank
+(``Communicator.shrink``) agree on what happened there.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
+import secrets
 import socket
 import threading
 import time
@@ -27,7 +34,12 @@ import torch
 
 from ._errors import CollectiveTimeoutError, CommunicatorStateError, DistCommError, PeerError
 
-__all__ = ["open_store", "parse_url", "unreachable_here"]
+__all__ = ["Seat", "meet", "parse_url", "unreachable_here"]
+
+POLL_FIRST, POLL_LAST = 0.01, 0.5
+"""Seconds between looks at the store while a process waits for its round: soon at first (ranks
+started together meet within milliseconds), then seldom (a newcomer may wait long to be let in)."""
+
 
 def parse_url(url: str) -> tuple[str, int]:
     """``tcp://host:port`` (IPv6 hosts in brackets) as (host, port)."""
@@ -41,42 +53,130 @@ def parse_url(url: str) -> tuple[str, int]:
     return parts.hostname, port
 
 
-def open_store(host: str, port: int, rank: int, world: int, seconds: float, *, scope: str = "",
-               hosted: bool = True, what: str = "the rendezvous") -> Any:
-    """The job's store at ``host:port``, once every rank of this generation has reached it.
+@dataclasses.dataclass(frozen=True)
+class Seat:
+    """Where a process sits in its job once it has met the others.
 
-    Rank 0 hosts it unless ``hosted`` is False (a torchrun agent already does). Keys live under
-    ``scope`` and ``world``; each rendezvous there is a new generation (the arrivals counted so far,
-    divided by ``world``), and the store returned is that generation's, for the group's own keys.
+    ``job`` is the job's store (every key of the job under it), ``epoch`` the prefix under which
+    this membership's group keeps its keys, ``job_rank`` the place the launcher gave the process,
+    ``members`` the job ranks of the group it joins (its rank there is their index), ``token``
+    what tells this process from an earlier one of the same rank, and ``admitted`` the members let
+    in by ``Communicator.admit`` rather than met in a round."""
+
+    job: Any
+    epoch: str
+    job_rank: int
+    members: tuple[int, ...]
+    token: str
+    where: str
+    hosted: bool
+    admitted: tuple[int, ...] = ()
+
+    @property
+    def store(self) -> Any:
+        """The store the group of this membership keeps its keys in."""
+        return _c10d().PrefixStore(self.epoch, self.job)
+
+    @property
+    def rank(self) -> int:
+        return self.members.index(self.job_rank)
+
+
+def meet(host: str, port: int, rank: int, world: int, seconds: float, *, scope: str = "",
+         hosted: bool = True, what: str = "the rendezvous") -> Seat:
+    """Meet the other ranks of ``world`` at the store at ``host:port``; return this process's seat.
+
+    Rank 0 serves the store unless ``hosted`` is False (a launcher's process does). A process that
+    finds the job already running (its round complete without it) waits to be let in by the
+    members' ``admit()``, or for a round of every rank (a restart of the whole job).
 
     Raises:
         CollectiveTimeoutError: the store or some ranks didn't come within ``seconds``; names them.
         CommunicatorStateError: rank 0 could not listen on the port (another job holds it).
+        ValueError: this process's world size or rank contradicts the job's (both named).
     """
     deadline = time.monotonic() + seconds
     where = f"{what} at {host}:{port}"
-    job = _c10d().PrefixStore(f"distcomm/{scope}/world-{world}", _connect(host, port, rank, world, seconds, hosted,
-                                                                         where))
-    generation = (job.add("arrivals", 1) - 1) // world
-    store = _c10d().PrefixStore(f"generation-{generation}", job)
-    store.set(f"arrived/{rank}", f"{socket.gethostname()} pid {os.getpid()}")
-    if store.add("arrivals", 1) == world:
-        store.set("all-here", "1")
+    served = hosted and rank == 0 and port not in _SERVED
+    raw = _connect(host, port, rank, world, seconds, hosted, where)
     try:
-        store.wait(["all-here"], datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+        job = _c10d().PrefixStore(f"distcomm/{scope}", raw)
+        token = f"{socket.gethostname()} pid {os.getpid()} {secrets.token_hex(4)}"
+        number = _take_place(job, rank, world, token, where)
+        return dataclasses.replace(_wait_for_round(job, number, rank, world, token, deadline, seconds, where),
+                                   hosted=hosted)
+    except BaseException as e:
+        error = e
+    # A failed rendezvous lets go of the port it opened: nothing may hold the store, and the
+    # error's traceback (its frames hold it) goes.
+    raw = job = None
+    if served:
+        _SERVED.pop(port, None)
+    error.__context__ = None
+    raise error.with_traceback(None)
+
+
+def _take_place(job: Any, rank: int, world: int, token: str, where: str) -> int:
+    """This rank's place in the open round (a new one, or its earlier process's); the round's number."""
+    number = int(job.add("round", 0))
+    while True:
+        rnd = _c10d().PrefixStore(f"round-{number}", job)
+        said = rnd.compare_set("world", "", str(world)).decode()
+        if said != str(world):
+            raise ValueError(f"{where}: this process says the job has {world} ranks, but the ranks already there "
+                             f"say {said}; start every rank with the same world size")
+        held = rnd.compare_set(f"rank/{rank}", "", token).decode()
+        if held == token:  # a place of its own: the last rank to take one completes the round
+            if rnd.add("count", 1) == world:
+                rnd.set("complete", "1")
+                job.add("round", 1)
+            return number
+        if rnd.check(["complete"]):  # an earlier process of this rank met the others: a later round
+            number += 1
+            continue
+        rnd.set(f"rank/{rank}", token)  # a restarted process takes its own place back
+        return number
+
+
+def _wait_for_round(job: Any, number: int, rank: int, world: int, token: str, deadline: float,
+                    seconds: float, where: str) -> Seat:
+    """Wait until round ``number`` is complete, or the members let this rank in."""
+    rnd = _c10d().PrefixStore(f"round-{number}", job)
+    found: list[str] = []
+    pause = POLL_FIRST
+    try:  # looked at, not waited on: a timed-out wait fills the output with torch's C++ warnings
+        while True:
+            found = [k for k in ("complete", f"admitted/{rank}", f"refused/{rank}") if rnd.check([k])]
+            if found or time.monotonic() > deadline:
+                break
+            time.sleep(pause)
+            pause = min(pause * 1.5, POLL_LAST)
     except Exception:
-        error = _missing(store, rank, world, seconds, where)
-    else:
-        return store
-    # the error's traceback holds this frame: let go of the store here, so rank 0's port is free again
-    job = store = None
-    raise error
+        raise _missing(rnd, rank, world, seconds, where) from None
+    if f"refused/{rank}" in found:
+        raise ValueError(f"{where}: {rnd.get(f'refused/{rank}').decode()}")
+    if f"admitted/{rank}" in found:
+        return admitted_seat(job, rnd.get(f"admitted/{rank}").decode(), rank, token, where)
+    if not found:
+        raise _missing(rnd, rank, world, seconds, where)
+    if rnd.get(f"rank/{rank}").decode() != token:
+        raise ValueError(f"{where}: another process took rank {rank}'s place in this round "
+                         f"({rnd.get(f'rank/{rank}').decode()}; this one: {token}): two processes were started as "
+                         f"rank {rank}")
+    return Seat(job, f"round-{number}", rank, tuple(range(world)), token, where, True)
 
 
-def _missing(store: Any, rank: int, world: int, seconds: float, where: str) -> DistCommError:
+def admitted_seat(job: Any, epoch: str, rank: int, token: str, where: str) -> Seat:
+    """The seat of a process that ``admit()`` let into membership ``epoch``."""
+    members = tuple(int(r) for r in job.get(f"{epoch}/members").decode().split(","))
+    admitted = tuple(int(r) for r in job.get(f"{epoch}/admitted").decode().split(",") if r)
+    return Seat(job, epoch, rank, members, token, where, True, admitted)
+
+
+def _missing(rnd: Any, rank: int, world: int, seconds: float, where: str) -> DistCommError:
     """What the wait for the other ranks ran into: who never arrived, or the host went away."""
     try:
-        missing = [r for r in range(world) if not store.check([f"arrived/{r}"])]
+        missing = [r for r in range(world) if not rnd.check([f"rank/{r}"])]
     except Exception:
         return PeerError(f"{where} went away while rank {rank} waited for the other ranks: its host (rank 0) "
                          f"ended or lost its connection", op="rendezvous", ranks=[0])
@@ -86,19 +186,75 @@ def _missing(store: Any, rank: int, world: int, seconds: float, where: str) -> D
         ranks=missing)
 
 
-def _connect(host: str, port: int, rank: int, world: int, seconds: float, hosted: bool, where: str) -> Any:
-    """A store client (rank 0's is also the server) within ``seconds``.
+_SERVED: dict[int, Any] = {}
+"""The stores this process serves, by port: kept for the life of the process (see the module's doc)."""
 
-    torch's client waits for the server's answer without a limit: a port where something else
-    listens would hold it forever, so it is made on a helper thread (the call releases the GIL) and
-    given up on, with the thread, when the time is over.
-    """
-    master = hosted and rank == 0
+
+def _connect(host: str, port: int, rank: int, world: int, seconds: float, hosted: bool, where: str) -> Any:
+    """A store client within ``seconds``; rank 0's is also the server, unless a launcher serves it."""
+    if hosted and rank == 0:
+        if port not in _SERVED:
+            _SERVED[port] = _serve(host, port, world, seconds, where)
+        return _SERVED[port]
+    deadline = time.monotonic() + seconds
+    _reach(host, port, rank, seconds, hosted, where)
+    return _client(host, port, world, max(deadline - time.monotonic(), 1.0), rank, hosted, where)
+
+
+def _serve(host: str, port: int, world: int, seconds: float, where: str) -> Any:
+    try:
+        return _c10d().TCPStore(host, port, world, True, datetime.timedelta(seconds=seconds), wait_for_workers=False)
+    except Exception as e:
+        raise CommunicatorStateError(
+            f"rank 0 could not open {where} ({_first_line(e)}); the port may be held by another job: "
+            f"set MASTER_PORT to a free port on every rank") from None
+
+
+def _reach(host: str, port: int, rank: int, seconds: float, hosted: bool, where: str) -> None:
+    """Wait until something accepts connections at ``host:port``; or say why nothing did.
+
+    A plain connection first, so that the reason is this machine's: a name that doesn't resolve is
+    refused at once; a refused connection (the host not started yet) or one that gets no answer (a
+    firewall dropping packets) is tried again until ``seconds`` are over."""
+    deadline = time.monotonic() + seconds
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise CommunicatorStateError(f"{where}: the host name {host!r} does not resolve on this machine ({e}); "
+                                     f"set MASTER_ADDR to a name or address every rank can resolve") from None
+    host_role = "its host (rank 0)" if hosted else "the launcher's store"
+    reason = ""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise CollectiveTimeoutError(f"{where} did not complete within {seconds:g} s: rank {rank} could not "
+                                         f"reach {host_role}: {reason}", op="rendezvous", ranks=[0])
+        family, kind, proto, _, address = addresses[0]
+        with socket.socket(family, kind, proto) as s:
+            s.settimeout(min(left, 5.0))
+            try:
+                s.connect(address)
+                return
+            except ConnectionRefusedError:
+                reason = ("nothing listens there (connection refused): rank 0 has not started, or MASTER_ADDR / "
+                          "MASTER_PORT differ between ranks")
+            except TimeoutError:
+                reason = ("no answer (a firewall may drop the packets, or the address is not this network's): "
+                          "check MASTER_ADDR and that the port is open between the machines")
+            except OSError as e:
+                reason = f"{e.strerror or e} (check MASTER_ADDR and the network between the machines)"
+        time.sleep(min(0.2, max(deadline - time.monotonic(), 0)))
+
+
+def _client(host: str, port: int, world: int, seconds: float, rank: int, hosted: bool, where: str) -> Any:
+    """torch's store client, made on a helper thread: it waits for the server's answer without a
+    limit, so a port where something else listens would hold it forever; given up on, with the
+    thread, when the time is over."""
     made: list[Any] = []
 
     def make() -> None:
         try:
-            made.append(_c10d().TCPStore(host, port, world, master, datetime.timedelta(seconds=seconds),
+            made.append(_c10d().TCPStore(host, port, world, False, datetime.timedelta(seconds=seconds),
                                          wait_for_workers=False))
         except BaseException as e:
             made.append(e)
@@ -108,20 +264,18 @@ def _connect(host: str, port: int, rank: int, world: int, seconds: float, hosted
     helper.join(seconds + 5.0)  # the client's own connect gives up at ``seconds``; the answer may lag
     if made and not isinstance(made[0], BaseException):
         return made[0]
-    error = made[0] if made else None
-    if master:
-        raise CommunicatorStateError(
-            f"rank 0 could not open {where} ({error}); the port may be held by another job: "
-            f"set MASTER_PORT to a free port on every rank") from error
-    if error is None:
-        reason = "something listens there but doesn't answer as a rendezvous store: set MASTER_PORT"
-    else:
-        lines = str(error).strip().splitlines()
-        reason = f"{type(error).__name__}: {lines[0] if lines else ''}"
+    reason = (f"{type(made[0]).__name__}: {_first_line(made[0])}" if made else
+              "something listens there but doesn't answer as a rendezvous store: set MASTER_PORT to the port "
+              "rank 0 serves")
     host_role = "its host (rank 0)" if hosted else "the launcher's store"
     raise CollectiveTimeoutError(
         f"{where} did not complete within {seconds:g} s: rank {rank} could not reach {host_role} ({reason})",
-        op="rendezvous", ranks=[0]) from error
+        op="rendezvous", ranks=[0])
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
 
 
 def _c10d() -> Any:

@@ -7,8 +7,14 @@ is the one place that initializes torch.distributed's default group (``from_env`
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import os
 import datetime
 import socket
+import sys
+import time
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -18,13 +24,16 @@ from ._communicator import DEFAULT_TIMEOUT
 from ._defaults import set_default
 from ._errors import CommunicatorStateError
 from ._launchers import LaunchEnv
+from ._membership import keep_alive
+from ._messages import settle_limit
 from ._memory import seconds as _seconds
-from ._rendezvous import open_store, parse_url, unreachable_here
+from ._rendezvous import Seat, meet, parse_url, unreachable_here
+from ._waits import store_host_pid
 
 if TYPE_CHECKING:
     from ._torch import _TorchCommunicator
 
-__all__ = ["free_port", "start_from", "start_world"]
+__all__ = ["free_port", "start_from", "start_seat", "start_world"]
 
 
 def free_port() -> int:
@@ -63,36 +72,77 @@ def start_world(
 
     The one place that starts a job's group: used by ``from_env``, ``launch`` and
     ``distcomm.testing.spawn``. ``url`` (tcp://host:port), ``scope`` and ``hosted`` say where the
-    ranks meet (see ``open_store``); ``launcher`` names what started the process. For NCCL it binds
-    ``cuda:<local_rank % device_count>`` first. If the communicator can't be built, the group is
-    destroyed again. The communicator becomes the process-wide default (``distcomm.current()`` in
-    every thread) until it is closed.
+    ranks meet (see ``meet``); ``launcher`` names what started the process. For NCCL it binds
+    ``cuda:<local_rank % device_count>`` first. The communicator becomes the process-wide default
+    (``distcomm.current()`` in every thread) until it is closed.
     """
     seconds = _seconds(timeout, DEFAULT_TIMEOUT)
     assert seconds is not None
-    td = datetime.timedelta(seconds=seconds)
     host, port = parse_url(url)
-    store = open_store(host, port, rank, world, seconds, scope=scope, hosted=hosted,
-                       what=f"{launcher}'s rendezvous" if launcher else "the rendezvous")
-    if cls.backend == "nccl":
+    seat = meet(host, port, rank, world, seconds, scope=scope, hosted=hosted,
+                what=f"{launcher}'s rendezvous" if launcher else "the rendezvous")
+    if cls.backend == "nccl" and "device" not in kwargs:
         if not torch.cuda.is_available():
             raise CommunicatorStateError(
                 "NcclCommunicator needs CUDA and NCCL, and this machine has no CUDA device; "
                 "use GlooCommunicator on CPU")
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        kwargs["device"] = torch.device("cuda", local_rank % torch.cuda.device_count())
+    comm = start_seat(cls, seat, timeout=timeout, **kwargs)
+    comm._launcher = launcher
+    return comm
+
+
+def start_seat(cls: type[_TorchCommunicator], seat: Seat, *, timeout: float | datetime.timedelta | None,
+               lost: tuple[int, ...] = (), **kwargs: Any) -> Any:
+    """The default group of the membership ``seat`` names, and a ``cls`` communicator that owns it.
+
+    Also where a shrink or an admit ends: each makes a new membership, and its group afresh. If the
+    communicator can't be built, the group is destroyed again."""
+    seconds = _seconds(timeout, DEFAULT_TIMEOUT)
+    assert seconds is not None
+    td = datetime.timedelta(seconds=seconds)
+    rank, world = seat.rank, len(seat.members)
+    if cls.backend == "nccl":
+        device = kwargs["device"]
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", store=store, rank=rank, world_size=world, timeout=td, device_id=device)
-        kwargs.setdefault("device", device)
+        dist.init_process_group("nccl", store=seat.store, rank=rank, world_size=world, timeout=td, device_id=device)
     else:
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=td)
+        dist.init_process_group("gloo", store=seat.store, rank=rank, world_size=world, timeout=td)
     try:
         comm = cls(None, timeout=timeout, _owns_default=True, **kwargs)
         comm._machines_declared = True  # the job's launcher knows its machines (the reference's launch())
-        comm._launcher = launcher
-        comm._store_by_rank0 = hosted
+        comm._store_by_rank0 = seat.hosted and seat.members[0] == 0  # job rank 0 serves it, if still here
+        comm._seat = seat
+        comm._job_ranks, comm._lost, comm._admitted = seat.members, lost, seat.admitted
+        keep_alive.follow(seat, store_host_pid(comm))
+        atexit.register(_close_at_exit, weakref.ref(comm))
         set_default(comm)  # every thread of the process sees it
         return comm
     except BaseException:
         if dist.is_initialized():
             dist.destroy_process_group()
         raise
+
+
+def _close_at_exit(ref: weakref.ref[_TorchCommunicator]) -> None:
+    """Close a job's communicator the program never closed, before the interpreter tears its groups'
+    threads down (that aborts the process: "terminate called without an active exception", after
+    all the work is done). Calls still pending get a moment; on an uncaught error, or past that,
+    they are let go rather than waited for: their peers may be waiting for this very process."""
+    comm = ref()
+    if comm is None or comm._closed or comm._pid != os.getpid():
+        return
+    dying = getattr(sys, "last_value", None) is not None
+    deadline = time.monotonic() + (settle_limit(comm, dying) or _AT_EXIT_SECONDS)
+    for handle in comm._pending_calls():
+        with contextlib.suppress(Exception):
+            handle.wait(timeout=max(deadline - time.monotonic(), 0.001))
+    if dying or comm._pending_calls() or comm._broken is not None:
+        comm._abandon()
+    else:
+        with contextlib.suppress(Exception):
+            comm.close()
+
+
+_AT_EXIT_SECONDS = 60.0
+"""The longest exit waits for calls a never-closed communicator left pending (bounded by its timeout too)."""

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as _dc10d
 
-from . import _frame
+from . import _frame, _membership
 from ._agreement import check_settings, spans
 from ._calls import CallSpec, Op
 from ._communicator import DEFAULT_SLOT_BYTES, Communicator
@@ -26,6 +26,7 @@ from ._errors import (
     CommunicatorStateError,
 )
 from ._gathered_reduce import gathered_reduce, gathered_traffic, takes_gathered
+from ._handles import Queues
 from ._header_exchange import (
     SUMMARY_CARRY,
     SUMMARY_CARRY_ACROSS,
@@ -36,8 +37,10 @@ from ._header_exchange import (
     table_index,
 )
 from ._launchers import detect
-from ._messages import settle_eager, torch_recv, torch_send
+from ._membership import Membership
+from ._messages import settle_eager, settle_limit, torch_recv, torch_send
 from ._one_at_a_time import exclusive
+from ._rendezvous import Seat
 from ._serialization import Serializer
 from ._start import start_from
 from ._waits import SLICE, fail, interrupted, process_id, timedelta_of, wait
@@ -177,6 +180,40 @@ class _TorchCommunicator(Communicator):
     """The torch.distributed backend of the default group this class starts (``from_env``)."""
     _store_by_rank0 = True
     """Whether global rank 0's process serves the job's store (not where a torchrun agent does)."""
+    _seat: Seat | None = None
+    """Where a job's communicator met the others (``shrink`` and ``admit`` start from it); None on
+    sub-communicators and adopted groups."""
+    _job_ranks: tuple[int, ...] | None = None
+    _lost: tuple[int, ...] = ()
+    _admitted: tuple[int, ...] = ()
+
+    # ------------------------------------------------------------------ membership
+    @property
+    def membership(self) -> Membership:
+        job_ranks = tuple(self._ranks) if self._job_ranks is None else self._job_ranks
+        return Membership(job_ranks, self._lost, self._admitted)
+
+    def shrink(self, *, timeout: float | datetime.timedelta | None = None) -> Communicator:
+        if os.getpid() != self._pid:  # (a broken or closed one may shrink: that is what it is for)
+            self._check_usable()
+        return _membership.shrink(self, self._op_timeout(timeout))
+
+    def admit(self, *, timeout: float | datetime.timedelta | None = None) -> Communicator:
+        self._check_usable()
+        return _membership.admit(self, self._op_timeout(timeout))
+
+    def _rebuild_settings(self) -> dict[str, Any]:
+        """What a communicator of a new membership takes over from this one."""
+        return {"timeout": self._timeout, "serializer": self.serializer, "max_bytes": self.max_bytes,
+                "slot_bytes": self.slot_bytes, "receive_cuda_on": self.receive_cuda_on}
+
+    def _abandon(self) -> None:
+        """Close over a failure: nothing waits for peers that may be gone (eager sends, pending calls)."""
+        with self._eager_lock:
+            self._eager = []
+        self._queues = Queues()
+        self._children.clear()  # their groups go with the default group
+        self.close()
 
     # ------------------------------------------------------------------ set-up
     def _check_backend(self, backend: str) -> None:
@@ -299,7 +336,7 @@ class _TorchCommunicator(Communicator):
         # it would abort the process ("terminate called without an active exception").
         time.sleep(_SETTLE_SECONDS)
         if self._eager:
-            settle_eager(self, self._timeout)
+            settle_eager(self, settle_limit(self, self._ending_on_error))
         reused = []
         for g in reversed(self._owned):
             name = getattr(g, "group_name", None)
@@ -619,6 +656,7 @@ class _TorchCommunicator(Communicator):
         self._owned.remove(group)  # the sub-communicator destroys its group when it closes
         sub._owned.insert(0, group)
         sub._store_by_rank0 = self._store_by_rank0
+        sub._job_ranks = tuple(self.membership.job_ranks[r] for r in mine)
         return sub
 
     def _refuse_misnamed(self, groups: list[list[int]], timeout: float | None) -> None:

@@ -22,7 +22,8 @@ from ._errors import CollectiveError, CollectiveTimeoutError, DistCommError, Pee
 if TYPE_CHECKING:
     from ._torch import _TorchCommunicator
 
-__all__ = ["SLICE", "alive", "timedelta_of", "fail", "interrupted", "process_id", "wait", "wait_whole"]
+__all__ = ["SLICE", "alive", "tcp_store", "timedelta_of", "fail", "interrupted", "process_id", "store_host_pid",
+           "wait", "wait_whole"]
 
 
 @functools.lru_cache(maxsize=16)
@@ -238,9 +239,8 @@ def ask_store(comm: _TorchCommunicator, grace: float,
         return "unreachable"
 
 
-def _tcp_store(comm: _TorchCommunicator) -> Any:
-    """The job's TCPStore under its prefixes, or None (another kind of store, or none)."""
-    store = comm._store
+def tcp_store(store: Any) -> Any:
+    """The TCPStore under a store's prefixes, or None (another kind of store, or none)."""
     while store is not None and hasattr(store, "underlying_store"):  # PrefixStore
         store = store.underlying_store
     return store if store is not None and type(store).__name__ == "TCPStore" else None
@@ -253,7 +253,7 @@ def _store_answers(comm: _TorchCommunicator, lost: bool) -> bool:
     on this machine is looked at first: one that is exiting may still take a connection, so where a
     connection was ``lost`` it is given a moment to be gone (not otherwise: the other ranks' grace
     for this rank's report is running)."""
-    store = _tcp_store(comm)
+    store = tcp_store(comm._store)
     if store is None:
         return True
     host = store_host(comm)
@@ -273,10 +273,16 @@ def _store_answers(comm: _TorchCommunicator, lost: bool) -> bool:
         return False
 
 
+def store_host_pid(comm: _TorchCommunicator) -> int | None:
+    """The pid of the process that serves the job's store, where this machine can see it."""
+    host = store_host(comm)
+    return os.getpid() if host == comm._rank else comm._peer_pids.get(host) if host is not None else None
+
+
 def store_host(comm: _TorchCommunicator) -> int | None:
     """The rank (in this group) whose process serves the job's TCPStore: global rank 0 (None where
     a launcher's own process serves it, as torchrun's agent does)."""
-    if _tcp_store(comm) is None or 0 not in comm._ranks or not comm._store_by_rank0:
+    if tcp_store(comm._store) is None or 0 not in comm._ranks or not comm._store_by_rank0:
         return None
     return comm._ranks.index(0)
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 import distcomm
-from distcomm._rendezvous import open_store
+from distcomm._rendezvous import meet
 
 
 def _ranks_at_once(world: int, meet: Callable[[int], Any]) -> list[Any]:
@@ -48,7 +48,7 @@ def test_a_second_rendezvous_in_one_scope_is_a_new_generation() -> None:
     agent = _launchers_store(port)
     seen = []
     for round_ in range(3):
-        stores = _ranks_at_once(2, lambda r: open_store("127.0.0.1", port, r, 2, 20, scope="job", hosted=False))
+        stores = _ranks_at_once(2, lambda r: meet("127.0.0.1", port, r, 2, 20, scope="job", hosted=False).store)
         assert not any(isinstance(s, Exception) for s in stores), stores
         assert not stores[1].check(["address"])  # nothing of an earlier round
         stores[0].set("address", f"round {round_}")
@@ -61,18 +61,18 @@ def test_another_job_on_the_same_port_never_meets_this_one() -> None:
     port = distcomm.free_port()
     agent = _launchers_store(port)
     with pytest.raises(distcomm.CollectiveTimeoutError):  # job a: its rank 1 never comes
-        open_store("127.0.0.1", port, 0, 2, 0.5, scope="a", hosted=False)
+        meet("127.0.0.1", port, 0, 2, 0.5, scope="a", hosted=False)
     with pytest.raises(distcomm.CollectiveTimeoutError, match=r"rank 1 waited for rank\(s\) 0 of 2, which never"):
-        open_store("127.0.0.1", port, 1, 2, 1.0, scope="b", hosted=False)  # job b's rank 0 never comes either
+        meet("127.0.0.1", port, 1, 2, 1.0, scope="b", hosted=False)  # job b's rank 0 never comes either
     del agent
 
 
 def test_a_failed_rendezvous_lets_go_of_its_port() -> None:
     port = distcomm.free_port()
     with pytest.raises(distcomm.CollectiveTimeoutError) as failed:
-        open_store("127.0.0.1", port, 0, 2, 0.5)  # rank 0 hosts; rank 1 never comes
+        meet("127.0.0.1", port, 0, 2, 0.5)  # rank 0 hosts; rank 1 never comes
     assert failed.value.ranks == (1,)
-    stores = _ranks_at_once(2, lambda r: open_store("127.0.0.1", port, r, 2, 20))  # the same port, at once
+    stores = _ranks_at_once(2, lambda r: meet("127.0.0.1", port, r, 2, 20).store)  # the same port, at once
     assert not any(isinstance(s, Exception) for s in stores), stores
 
 
@@ -82,7 +82,7 @@ def test_a_port_where_something_else_listens_gives_up_in_bounded_time() -> None:
         listener.listen(8)  # accepts connections, never answers
         port = listener.getsockname()[1]
         with pytest.raises(distcomm.CollectiveTimeoutError, match="doesn't answer as a rendezvous store"):
-            open_store("127.0.0.1", port, 1, 2, 1.0, what="slurm's rendezvous")
+            meet("127.0.0.1", port, 1, 2, 1.0, what="slurm's rendezvous")
 
 
 HOST_THEN_DIE = """
@@ -101,7 +101,7 @@ def test_the_host_going_away_is_named() -> None:
         assert host.stdout is not None and host.stdout.readline().strip() == "ready"
         threading.Timer(1.0, host.kill).start()
         with pytest.raises(distcomm.PeerError, match=r"went away while rank 1 waited"):
-            open_store("127.0.0.1", port, 1, 2, 20, scope="x")
+            meet("127.0.0.1", port, 1, 2, 20, scope="x")
     finally:
         host.kill()
         host.wait(10)

@@ -22,4 +22,5 @@ ROUTES: dict[Op, Route] = {op: ALL_GATHER for op in Op}
 scatter from it. The slot carries the op itself, so ranks that call different ops still disagree."""
 ROUTES.update({Op.GATHER: GATHER, Op.REDUCE_OBJECT: GATHER, Op.ALL_REDUCE_OBJECT: GATHER, Op.SCAN: GATHER,
                Op.EXSCAN: GATHER, Op.BROADCAST: BROADCAST, Op.RESULT: BROADCAST, Op.SHARED_RANDOM_SEED: BROADCAST,
+               Op.ADMIT: BROADCAST,
                Op.SCATTER: SCATTER, Op.RESULTS: SCATTER})

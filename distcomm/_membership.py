@@ -1,0 +1,289 @@
+"""Who is in the job: the survivors of a lost rank agree on it (``shrink``), and the members let
+replacements in (``admit``). Both end in a new membership with a torch group of its own.
+
+The agreement happens in the job's store, not over the broken group: the store is one server,
+so the first proposal written with compare-and-set is the decision every survivor reads, and a
+rank that dies while the others agree only makes them agree again without it (ULFM's
+``MPI_Comm_shrink`` and ``MPIX_Comm_agree`` give the same guarantee). A rank is gone when its
+process is gone (same machine: its pid), or when its keep-alive beat in the store has not moved
+for ``LOSS_SECONDS`` (a lost host, whose connections nothing resets). A rank that is alive but slow
+is waited for until the timeout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import select
+import socket
+import threading
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from ._calls import CallSpec, Op
+from ._errors import CommunicatorStateError, PeerError
+from ._rendezvous import Seat
+from ._waits import alive, tcp_store
+
+if TYPE_CHECKING:
+    from ._communicator import Communicator
+    from ._torch import _TorchCommunicator
+
+__all__ = ["BEAT_SECONDS", "LOSS_SECONDS", "Membership", "admit", "keep_alive", "shrink"]
+
+BEAT_SECONDS = 0.5
+"""How often a process's keep-alive beat moves in the job's store."""
+LOSS_SECONDS = 5.0
+"""A beat that has not moved for this long is a lost rank (its host is down or cut off): ten
+beats, so that a machine busy enough to starve the beat's thread for a few seconds isn't dropped."""
+POLL_SECONDS = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class Membership:
+    """Who a job communicator's ranks are.
+
+    ``job_ranks[r]`` is the launcher's rank of this communicator's rank ``r``; ``lost`` the job
+    ranks that the shrink which made it found gone; ``admitted`` the job ranks that the admit which
+    made it let in."""
+
+    job_ranks: tuple[int, ...]
+    lost: tuple[int, ...] = ()
+    admitted: tuple[int, ...] = ()
+
+
+# ---------------------------------------------------------------- keep-alive
+class _KeepAlive:
+    """One thread per process that moves ``alive/<job rank>`` in the job's store every beat, on a
+    connection of its own (a collective's wait never delays it).
+
+    It also watches whether the store is still there, without asking it: torch's store client
+    prints pages of C++ stack frames for each call to a store that is gone. A plain connection to
+    the store's port, over which the store never sends anything, becomes readable when its host
+    goes away; and a host on this machine is looked at by its pid."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._target: tuple[Any, str, socket.socket | None, int | None] | None = None
+        self._thread: threading.Thread | None = None
+
+    def follow(self, seat: Seat, host_pid: int | None) -> None:
+        try:
+            store = seat.job.clone()
+            server = tcp_store(seat.job)
+            watch = None if server is None else socket.create_connection((server.host, server.port), timeout=5.0)
+        except Exception:
+            return
+        with self._lock:
+            self._stop()
+            self._target = (store, f"alive/{seat.job_rank}", watch, host_pid)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="distcomm-keepalive", daemon=True)
+                self._thread.start()
+
+    def store_gone(self) -> bool:
+        """Whether the store this process beats in has gone away (False when it isn't watched)."""
+        with self._lock:
+            target = self._target
+        if target is None:
+            return False
+        _, _, watch, pid = target
+        if pid is not None and not alive(pid):
+            return True
+        return watch is not None and bool(select.select([watch], [], [], 0)[0])
+
+    def _stop(self) -> None:
+        if self._target is not None and self._target[2] is not None:
+            self._target[2].close()
+        self._target = None
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                target = self._target
+            if target is not None:
+                if self.store_gone():
+                    with self._lock:
+                        if self._target is target:
+                            self._stop()
+                else:
+                    try:
+                        target[0].add(target[1], 1)
+                    except Exception:  # noqa: S110 - gone between the look and the beat: the next look says
+                        pass
+            time.sleep(BEAT_SECONDS)
+
+
+keep_alive = _KeepAlive()
+
+
+# ---------------------------------------------------------------- agreement
+def agree_on_survivors(seat: Seat, members: tuple[int, ...], pids: dict[int, int],
+                       seconds: float) -> tuple[str, tuple[int, ...]]:
+    """The new epoch and its members: ``members`` (job ranks) that are here, once every other is gone.
+
+    Repeated until a round of it finds everyone it agreed on: a rank that dies between the
+    decision and the new group is then dropped too, and every survivor ends with the same answer."""
+    deadline = time.monotonic() + seconds
+    base = f"{seat.epoch}/shrink"
+    while True:
+        epoch, survivors = _agree(seat, base, members, pids, deadline)
+        if seat.job_rank not in survivors:
+            raise CommunicatorStateError(
+                f"rank {members.index(seat.job_rank)} (job rank {seat.job_rank}) was left out of the shrink: the "
+                f"others found it gone or it came after their timeout; start a new process to be admitted")
+        if survivors == members and base.endswith("/ready"):
+            return epoch, survivors
+        members, base = survivors, f"{epoch}/ready"
+
+
+def _agree(seat: Seat, base: str, members: tuple[int, ...], pids: dict[int, int],
+           deadline: float) -> tuple[str, tuple[int, ...]]:
+    job = _checked(seat)
+    job.set(f"{base}/here/{seat.job_rank}", seat.token)
+    beats: dict[int, tuple[bytes, float]] = {}
+    while True:
+        if keep_alive.store_gone():
+            raise _store_lost(seat)
+        try:
+            if job.check([f"{base}/decision"]):
+                return _decision(job.get(f"{base}/decision").decode())
+            present = tuple(r for r in members if job.check([f"{base}/here/{r}"]))
+            waiting = [r for r in members if r not in present and not _gone(job, r, pids, beats)]
+        except Exception as e:
+            raise _store_lost(seat) from e
+        if not waiting or time.monotonic() > deadline:
+            proposal = f"epoch-{job.add('epochs', 1)}:{','.join(map(str, present))}"
+            return _decision(job.compare_set(f"{base}/decision", "", proposal).decode())
+        time.sleep(POLL_SECONDS)
+
+
+def _decision(text: str) -> tuple[str, tuple[int, ...]]:
+    epoch, _, ranks = text.partition(":")
+    return epoch, tuple(int(r) for r in ranks.split(",") if r)
+
+
+def _gone(job: Any, rank: int, pids: dict[int, int], beats: dict[int, tuple[bytes, float]]) -> bool:
+    """Whether job rank ``rank`` is gone: its process (where this machine sees it), or its beat."""
+    pid = pids.get(rank)
+    if pid is not None and not alive(pid):
+        return True
+    now = time.monotonic()
+    beat = job.get(f"alive/{rank}") if job.check([f"alive/{rank}"]) else b""
+    last = beats.get(rank)
+    if last is None or last[0] != beat:
+        beats[rank] = (beat, now)
+        return False
+    return now - last[1] > LOSS_SECONDS
+
+
+def _checked(seat: Seat) -> Any:
+    """The job's store, if its host is still there."""
+    if keep_alive.store_gone():
+        raise _store_lost(seat)
+    return seat.job
+
+
+def _store_lost(seat: Seat) -> PeerError:
+    host = "rank 0, which hosted it," if seat.hosted else "the process that hosted it"
+    return PeerError(
+        f"the job's store ({seat.where}) was lost: {host} is gone, and the survivors can no longer agree on who "
+        f"is left. To outlive any rank, host the store apart: launch(..., elastic=True) serves it from the "
+        f"launching process, and under other launchers DISTCOMM_STORE=external with MASTER_ADDR/MASTER_PORT "
+        f"naming a store you run (python -m distcomm.store --port PORT)", op="shrink", ranks=[0])
+
+
+# ---------------------------------------------------------------- admission
+def waiting_newcomers(seat: Seat, members: Iterable[int]) -> tuple[dict[int, str], dict[int, str]]:
+    """Processes waiting in the job's open round: (job rank -> token) to let in, and (job rank ->
+    why) to refuse: a rank that is a member and alive."""
+    job = _checked(seat)
+    number = int(job.add("round", 0))
+    rnd = f"round-{number}"
+    world = int(job.get(f"{rnd}/world")) if job.check([f"{rnd}/world"]) else 0
+    members = set(members)
+    newcomers: dict[int, str] = {}
+    refused: dict[int, str] = {}
+    for r in range(world):
+        if not job.check([f"{rnd}/rank/{r}"]):
+            continue
+        token = job.get(f"{rnd}/rank/{r}").decode()
+        if not token or job.check([f"{rnd}/admitted/{r}"]) or job.check([f"{rnd}/refused/{r}"]):
+            continue
+        if r in members:
+            refused[r] = (f"rank {r} of the job is a member and alive; this process ({token}) was started as "
+                          f"rank {r} too: a replacement takes the rank of a lost one")
+        else:
+            newcomers[r] = token
+    return newcomers, refused
+
+
+def let_in(seat: Seat, epoch: str, members: tuple[int, ...], newcomers: dict[int, str],
+           refused: dict[int, str]) -> None:
+    """Write the new membership, then tell each newcomer (and each refused process) where it stands."""
+    job = seat.job
+    number = int(job.add("round", 0))
+    rnd = f"round-{number}"
+    job.set(f"{epoch}/members", ",".join(map(str, members)))
+    job.set(f"{epoch}/admitted", ",".join(map(str, sorted(newcomers))))
+    for r, why in refused.items():
+        job.set(f"{rnd}/refused/{r}", why)
+    for r, token in newcomers.items():
+        if job.compare_set(f"{rnd}/rank/{r}", token, "").decode() == "":  # its place is free again
+            job.add(f"{rnd}/count", -1)
+        job.set(f"{rnd}/admitted/{r}", epoch)
+
+
+# ---------------------------------------------------------------- the two calls
+def shrink(comm: _TorchCommunicator, seconds: float | None) -> Communicator:
+    """``comm.shrink()``: see ``Communicator.shrink``."""
+    from ._start import start_seat
+
+    seat = _job_seat(comm, "shrink")
+    members = comm.membership.job_ranks
+    pids = {members[r]: pid for r, pid in comm._peer_pids.items()}
+    settings = comm._rebuild_settings()
+    comm._abandon()  # its connections close: ranks still waiting in the failed call fail now too
+    epoch, survivors = agree_on_survivors(seat, members, pids, _bounded(seconds))
+    lost = tuple(r for r in members if r not in survivors)
+    new = dataclasses.replace(seat, epoch=epoch, members=survivors, admitted=())
+    made: Communicator = start_seat(type(comm), new, lost=lost, **settings)
+    return made
+
+
+def admit(comm: _TorchCommunicator, seconds: float | None) -> Communicator:
+    """``comm.admit()``: see ``Communicator.admit``."""
+    from ._start import start_seat
+
+    seat = _job_seat(comm, "admit")
+    members = comm.membership.job_ranks
+    decision: tuple[str, dict[int, str], dict[int, str]] | None = None
+    if comm.rank == 0:
+        newcomers, refused = waiting_newcomers(seat, members)
+        epoch = f"epoch-{seat.job.add('epochs', 1)}" if newcomers else ""
+        decision = (epoch, newcomers, refused)
+    epoch, newcomers, refused = comm._run(CallSpec(Op.ADMIT, 0, decision, seconds))[0]
+    everyone = tuple(sorted((*members, *newcomers)))
+    if comm.rank == 0 and (newcomers or refused):
+        let_in(seat, epoch, everyone, newcomers, refused)
+    if not newcomers:
+        return comm
+    settings = comm._rebuild_settings()
+    comm.close()
+    new = dataclasses.replace(seat, epoch=epoch, members=everyone, admitted=tuple(sorted(newcomers)))
+    made: Communicator = start_seat(type(comm), new, **settings)
+    return made
+
+
+def _job_seat(comm: _TorchCommunicator, op: str) -> Seat:
+    seat = comm._seat
+    if seat is None:
+        raise CommunicatorStateError(
+            f"{op}() remakes a job's communicator (from_env, launch, spawn): this {type(comm).__name__} is a "
+            f"sub-communicator or over a group torch was given elsewhere; {op} the job's communicator, then "
+            f"split the new one again")
+    return seat
+
+
+def _bounded(seconds: float | None) -> float:
+    return 3600.0 * 24 if seconds is None else seconds

@@ -1,0 +1,389 @@
+"""A job that outlives its ranks: the rendezvous knows ranks (a restarted process takes its own
+place), survivors of a killed rank shrink to a new communicator, and members admit a replacement.
+
+Ranks are real processes started as a job controller starts them (RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT: a launcher whose survivors live on), killed with SIGKILL."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import distcomm
+from distcomm._rendezvous import meet
+
+WAIT = 120.0  # the bound on any one job here: a bug fails the test instead of hanging CI
+
+
+def _ranks_at_once(calls: list[Any]) -> list[Any]:
+    """Each of ``calls`` on a thread of its own, started a moment apart; what each returned or raised."""
+    out: list[Any] = [None] * len(calls)
+
+    def one(i: int) -> None:
+        try:
+            out[i] = calls[i]()
+        except Exception as e:
+            out[i] = e
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+        time.sleep(0.2)
+    for t in threads:
+        t.join(60)
+    return out
+
+
+# ---------------------------------------------------------------- rounds by rank
+def test_a_restarted_rank_takes_its_own_place_not_a_missing_ranks() -> None:
+    """Rank 1's first process gives up, its second arrives: rank 2 is still missing, and rank 0 says
+    so (arrivals were counted: rank 1 twice completed the round in rank 2's place)."""
+    port = distcomm.free_port()
+    first = _ranks_at_once([lambda: meet("127.0.0.1", port, 0, 3, 6.0),
+                            lambda: meet("127.0.0.1", port, 1, 3, 1.0),   # gives up, its place kept
+                            lambda: meet("127.0.0.1", port, 1, 3, 3.0)])  # the restarted process
+    assert isinstance(first[0], distcomm.CollectiveTimeoutError), first
+    assert first[0].ranks == (2,), first[0]
+    assert isinstance(first[2], distcomm.CollectiveTimeoutError), first
+
+
+def test_a_restarted_rank_completes_the_round_with_the_others() -> None:
+    """As under torchrun's agent, whose store outlives the workers: rank 1's first process gives up
+    before rank 0 comes, its restarted process and rank 0 then meet."""
+    port = distcomm.free_port()
+    agent = _launchers_store(port)
+    seats = _ranks_at_once([lambda: meet("127.0.0.1", port, 1, 2, 0.1, hosted=False),
+                            lambda: meet("127.0.0.1", port, 1, 2, 20.0, hosted=False),
+                            lambda: meet("127.0.0.1", port, 0, 2, 20.0, hosted=False)])
+    assert isinstance(seats[0], distcomm.CollectiveTimeoutError), seats
+    assert seats[1].epoch == seats[2].epoch and seats[2].members == (0, 1), seats
+    del agent
+
+
+def _launchers_store(port: int) -> Any:
+    """A store the launcher hosts, as torchrun's agent does (kept across its workers' rendezvous)."""
+    return distcomm._rendezvous._c10d().TCPStore("127.0.0.1", port, 2, True, datetime.timedelta(seconds=30),
+                                                 wait_for_workers=False)
+
+
+def test_two_live_processes_started_as_one_rank_are_both_named() -> None:
+    port = distcomm.free_port()
+    agent = _launchers_store(port)
+    seats = _ranks_at_once([lambda: meet("127.0.0.1", port, 1, 2, 20.0, hosted=False),
+                            lambda: meet("127.0.0.1", port, 1, 2, 20.0, hosted=False),
+                            lambda: meet("127.0.0.1", port, 0, 2, 20.0, hosted=False)])
+    assert isinstance(seats[0], ValueError) and "two processes were started as rank 1" in str(seats[0]), seats
+    assert seats[1].token in str(seats[0]) and seats[2].members == (0, 1), seats  # both processes named
+    del agent
+
+
+def test_a_rank_with_another_world_size_is_refused_naming_both() -> None:
+    port = distcomm.free_port()
+    seats = _ranks_at_once([lambda: meet("127.0.0.1", port, 0, 2, 3.0), lambda: meet("127.0.0.1", port, 1, 3, 3.0)])
+    assert isinstance(seats[1], ValueError), seats
+    assert "says the job has 3 ranks, but the ranks already there say 2" in str(seats[1])
+
+
+def test_nothing_listening_is_named_as_such() -> None:
+    with pytest.raises(distcomm.CollectiveTimeoutError, match=r"nothing listens there \(connection refused\)"):
+        meet("127.0.0.1", distcomm.free_port(), 1, 2, 10.0)
+
+
+def test_a_host_name_that_does_not_resolve_is_named_at_once() -> None:
+    start = time.monotonic()
+    with pytest.raises(distcomm.CommunicatorStateError, match="does not resolve on this machine"):
+        meet("no-such-host.invalid", 29500, 1, 2, 60.0)
+    assert time.monotonic() - start < 30  # not the timeout
+
+
+# ---------------------------------------------------------------- whole jobs
+def _job(tmp_path: Path, source: str, world: int, *args: str, ranks: list[int] | None = None,
+         port: int | None = None) -> tuple[int, dict[int, subprocess.Popen[str]]]:
+    """Start ``source`` as ranks ``ranks`` (default: all) of a job of ``world``, as a job controller does."""
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(source))
+    port = port or distcomm.free_port()
+    procs = {}
+    for r in range(world) if ranks is None else ranks:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "RANK": str(r), "WORLD_SIZE": str(world),
+               "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port)}
+        procs[r] = subprocess.Popen([sys.executable, str(script), *args], env=env, cwd=tmp_path, text=True,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return port, procs
+
+
+def _ended(procs: dict[int, subprocess.Popen[str]]) -> dict[int, tuple[int, list[Any], str]]:
+    """Each rank's exit code, the JSON lines it printed, and its stderr; every process ended."""
+    out = {}
+    try:
+        for r, p in procs.items():
+            stdout, stderr = p.communicate(timeout=WAIT)
+            lines = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+            out[r] = (p.returncode, lines, stderr[-3000:])
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    return out
+
+
+SURVIVE = """
+    import json, os, signal, sys, time
+    import distcomm
+
+    victims = [int(v) for v in sys.argv[1].split(",") if v]
+    where = sys.argv[2]  # "collective": killed inside one; "shrink": one more dies instead of shrinking
+    comm = distcomm.from_env(timeout=60)
+    try:
+        for step in range(10_000):
+            if step == 3 and comm.rank in victims:
+                os.kill(os.getpid(), signal.SIGKILL)
+            assert comm.all_gather(comm.rank) == list(range(comm.world_size))
+    except distcomm.DistCommError as e:
+        failed = type(e).__name__
+    if where == "shrink" and comm.rank == max(set(range(comm.world_size)) - set(victims)):
+        os.kill(os.getpid(), signal.SIGKILL)  # dies while the others agree
+    if where == "slow" and comm.rank == 1:
+        time.sleep(3.0)  # alive, and late to the shrink: not dropped
+    new = comm.shrink()
+    print(json.dumps({"failed": failed, "rank": new.rank, "world": new.world_size,
+                      "members": new.membership.job_ranks, "lost": new.membership.lost,
+                      "gathered": new.all_gather(new.membership.job_ranks[new.rank]),
+                      "sum": int(new.all_reduce_dict({"x": 1}, op="sum")["x"]), "repr": repr(new)}), flush=True)
+    new.close()
+"""
+
+
+@pytest.mark.parametrize(("world", "victims", "where"), [(4, "2", "collective"), (4, "1", "slow"),
+                                                         (4, "3", "shrink"), (5, "1,3", "collective")])
+def test_survivors_shrink_to_a_communicator_of_themselves(tmp_path: Path, world: int, victims: str,
+                                                          where: str) -> None:
+    _, procs = _job(tmp_path, SURVIVE, world, victims, where)
+    ended = _ended(procs)
+    lost = {int(v) for v in victims.split(",")}
+    if where == "shrink":
+        lost.add(max(set(range(world)) - lost))
+    alive = [r for r in range(world) if r not in lost]
+    for r in range(world):
+        code, lines, err = ended[r]
+        if r in lost:
+            assert code == -signal.SIGKILL, (r, code, err)
+            continue
+        assert code == 0 and len(lines) == 1, (r, code, err)
+        got = lines[0]
+        assert got["failed"] in ("PeerError", "CollectiveTimeoutError", "CommunicatorStateError"), got
+        assert (got["rank"], got["world"], got["members"]) == (alive.index(r), len(alive), alive), got
+        assert got["lost"] == sorted(lost) and got["gathered"] == alive and got["sum"] == len(alive), got
+        assert f"lost={sorted(lost)}" in got["repr"], got
+
+
+NOBODY_LOST = """
+    import json
+    import distcomm
+
+    comm = distcomm.from_env(timeout=60)
+    comm.all_gather(0)
+    new = comm.shrink()
+    print(json.dumps({"members": new.membership.job_ranks, "lost": new.membership.lost,
+                      "gathered": new.all_gather(new.rank), "old_closed": comm._closed}), flush=True)
+    new.close()
+"""
+
+
+def test_a_shrink_that_lost_no_one_keeps_every_rank(tmp_path: Path) -> None:
+    _, procs = _job(tmp_path, NOBODY_LOST, 3)
+    for code, lines, err in _ended(procs).values():
+        assert code == 0, err
+        assert lines == [{"members": [0, 1, 2], "lost": [], "gathered": [0, 1, 2], "old_closed": True}]
+
+
+STORE_HOST_DIES = """
+    import json, os, signal
+    import distcomm
+
+    comm = distcomm.from_env(timeout=60)
+    try:
+        for step in range(10_000):
+            if step == 3 and comm.rank == 0:
+                os.kill(os.getpid(), signal.SIGKILL)
+            comm.all_gather(comm.rank)
+    except distcomm.DistCommError:
+        pass
+    try:
+        comm.shrink()
+    except distcomm.PeerError as e:
+        print(json.dumps({"error": str(e)}), flush=True)
+"""
+
+
+def test_survivors_of_the_store_host_are_told_at_once(tmp_path: Path) -> None:
+    _, procs = _job(tmp_path, STORE_HOST_DIES, 3)
+    ended = _ended(procs)
+    for r in (1, 2):
+        code, lines, err = ended[r]
+        assert code == 0 and lines, err
+        assert "the job's store" in lines[0]["error"] and "was lost" in lines[0]["error"], lines
+        assert "host the store apart" in lines[0]["error"], lines
+
+
+ADMIT = """
+    import json, os, signal, sys, time
+    import distcomm
+
+    comm = distcomm.from_env(timeout=60)
+    if sys.argv[1] == "newcomer":
+        comm.broadcast(None)  # the state the members hand over at admission
+        print(json.dumps({"rank": comm.rank, "world": comm.world_size, "state": comm.broadcast(None),
+                          "admitted": comm.membership.admitted,
+                          "gathered": comm.all_gather(comm.membership.job_ranks[comm.rank])}), flush=True)
+        comm.close()
+        sys.exit(0)
+    params = 0
+    try:
+        for step in range(10_000):
+            if step == 3 and comm.rank == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            params += sum(comm.all_gather(1))
+    except distcomm.DistCommError:
+        comm = comm.shrink()
+    if comm.rank == 0:
+        print(json.dumps({"shrunk": True}), flush=True)  # the test starts the replacement now
+    for step in range(10_000):
+        params += sum(comm.all_gather(1))
+        new = comm.admit()
+        if new is not comm:
+            comm = new
+            comm.broadcast({"params": params, "step": step})
+            break
+        time.sleep(0.02)
+    print(json.dumps({"rank": comm.rank, "world": comm.world_size, "state": comm.broadcast({"params": params}),
+                      "admitted": comm.membership.admitted,
+                      "gathered": comm.all_gather(comm.membership.job_ranks[comm.rank])}), flush=True)
+    comm.close()
+"""
+
+
+def test_members_admit_a_replacement_into_the_lost_ranks_place(tmp_path: Path) -> None:
+    port, procs = _job(tmp_path, ADMIT, 4, "member")
+    assert procs[0].stdout is not None
+    first = procs[0].stdout.readline()  # rank 0 says when the survivors have shrunk
+    assert json.loads(first) == {"shrunk": True}, first
+    _, newcomer = _job(tmp_path, ADMIT, 4, "newcomer", ranks=[2], port=port)
+    ended = _ended({**procs, 4: newcomer[2]})
+    assert ended[2][0] == -signal.SIGKILL
+    states = []
+    for r in (0, 1, 3, 4):
+        code, lines, err = ended[r]
+        assert code == 0, (r, err)
+        got = lines[-1]
+        assert got["world"] == 4 and got["admitted"] == [2] and got["gathered"] == [0, 1, 2, 3], got
+        states.append(got["state"])
+    assert ended[4][1][-1]["rank"] == 2  # the replacement took the lost rank's place
+    assert len({json.dumps(s, sort_keys=True) for s in states}) == 1, states  # one state on every member
+
+
+SOME_ADMIT = """
+    import json
+    import distcomm
+
+    comm = distcomm.from_env(timeout=30)
+    try:
+        comm.admit() if comm.rank == 0 else comm.all_gather(1)
+    except distcomm.CollectiveMismatchError as e:
+        print(json.dumps({"error": str(e)}), flush=True)
+"""
+
+
+def test_admit_called_by_some_members_only_is_a_mismatch_on_every_rank(tmp_path: Path) -> None:
+    _, procs = _job(tmp_path, SOME_ADMIT, 2)
+    for code, lines, err in _ended(procs).values():
+        assert code == 0 and lines, err
+        assert "admit" in lines[0]["error"] and "all_gather" in lines[0]["error"], lines
+
+
+DUPLICATE = """
+    import json, sys, time
+    import distcomm
+
+    try:
+        comm = distcomm.from_env(timeout=30)
+    except ValueError as e:
+        print(json.dumps({"refused": str(e)}), flush=True)
+        sys.exit(0)
+    for _ in range(200):
+        comm.all_gather(0)
+        comm.admit()
+        time.sleep(0.05)
+    comm.close()
+"""
+
+
+def test_a_newcomer_for_a_rank_that_is_alive_is_refused_naming_both(tmp_path: Path) -> None:
+    port, procs = _job(tmp_path, DUPLICATE, 2)
+    time.sleep(2.0)
+    _, extra = _job(tmp_path, DUPLICATE, 2, ranks=[1], port=port)
+    ended = _ended({**procs, 2: extra[1]})
+    assert ended[0][0] == 0 and ended[1][0] == 0, ended
+    code, lines, err = ended[2]
+    assert code == 0 and lines, err
+    assert "rank 1 of the job is a member and alive" in lines[0]["refused"], lines
+
+
+# ---------------------------------------------------------------- the start-up's own failures
+TWICE = """
+    import json, sys, time
+    import distcomm
+
+    for round_ in range(2):
+        comm = distcomm.from_env(timeout=30)
+        got = comm.all_gather(comm.rank)
+        if comm.rank == 0:
+            time.sleep(2.0)  # rank 0 leaves its block last (saving a checkpoint)
+        comm.close()
+    print(json.dumps({"gathered": got}), flush=True)
+"""
+
+
+def test_a_second_from_env_meets_again_when_rank_0_leaves_last(tmp_path: Path) -> None:
+    _, procs = _job(tmp_path, TWICE, 2)
+    for code, lines, err in _ended(procs).values():
+        assert code == 0 and lines == [{"gathered": [0, 1]}], err
+
+
+ISEND_THEN_RAISE = """
+    import json, sys, time
+    import distcomm
+
+    start = time.monotonic()
+    try:
+        with distcomm.from_env(timeout=100) as comm:
+            if comm.rank == 1:
+                comm.isend({"small": 1}, dst=0)
+                raise RuntimeError("the program's own error")
+            comm.all_gather(0)  # waits for rank 1, which raised
+    except distcomm.DistCommError as e:
+        print(json.dumps({"error": type(e).__name__, "seconds": time.monotonic() - start}), flush=True)
+"""
+
+
+def test_a_rank_that_raises_after_an_isend_does_not_hold_the_job(tmp_path: Path) -> None:
+    """Its exit waited for the receiver, which waited for it in a collective: the whole timeout."""
+    _, procs = _job(tmp_path, ISEND_THEN_RAISE, 2)
+    ended = _ended(procs)
+    assert ended[1][0] == 1 and "the program's own error" in ended[1][2], ended[1]
+    code, lines, err = ended[0]
+    assert code == 0 and lines and lines[0]["error"] in ("PeerError", "CollectiveTimeoutError"), err
+    assert lines[0]["seconds"] < 100, lines  # well before the communicator's timeout
