@@ -135,6 +135,9 @@ class Communicator(abc.ABC):
     """The dtypes a reduction takes (gloo's, which the test doubles share); other dtypes are refused
     on every rank before anything moves. Broadcasts and gathers carry any dtype."""
 
+    _successor: Communicator | None = None
+    """The communicator a ``shrink()`` or ``admit()`` of this one made: ``use(comm)`` then follows it."""
+
     serializer: Serializer = _fixed("serializer")  # type: ignore[assignment]
     max_bytes: int | None = _fixed("max_bytes")  # type: ignore[assignment]
     slot_bytes: int = _fixed("slot_bytes")  # type: ignore[assignment]

@@ -47,7 +47,9 @@ def active() -> Communicator | None:
     """The communicator installed with use() in this thread or task, else the process-wide default, or None."""
     comm = _ACTIVE.get()
     if comm is None:
-        comm = get_default()
+        return get_default()
+    while comm._successor is not None:  # a shrink or admit replaced it: use(comm) follows
+        comm = comm._successor
     return comm
 
 

@@ -33,8 +33,10 @@ from ._from_env import machines_under, run_here
 from ._launchers import detect
 from ._local import LocalCommunicator
 from ._memory import seconds as _seconds
+from ._rendezvous import serve_store
 from ._serialization import dumps_code
 from ._start import free_port, start_world
+from ._supervise import how_it_ended, wait_elastic, wait_until_failure
 from ._torch import GlooCommunicator, NcclCommunicator
 
 __all__ = ["free_port", "launch"]
@@ -150,7 +152,7 @@ def _stacks_on_request(reports: str, index: int) -> None:
 
 def _worker(
     local_rank: int, payload: bytes, per_machine: int, num_machines: int, machine_rank: int,
-    url: str, backend: str, timeout: float, parent: int, reports: str,
+    url: str, backend: str, timeout: float, parent: int, reports: str, hosted: bool = True,
 ) -> None:
     _die_with(parent)
     _stacks_on_request(reports, local_rank)
@@ -159,7 +161,7 @@ def _worker(
         main_func, args = cloudpickle.loads(payload)
         cls = NcclCommunicator if backend == "nccl" else GlooCommunicator
         comm = start_world(cls, url, machine_rank * per_machine + local_rank, per_machine * num_machines,
-                           local_rank, timeout=timeout, machine=machine_rank, launcher="launch")
+                           local_rank, timeout=timeout, machine=machine_rank, launcher="launch", hosted=hosted)
         with comm, use(comm):
             try:
                 main_func(*args)
@@ -170,27 +172,6 @@ def _worker(
         if not reported:
             _report(reports, local_rank, e)
         raise
-
-
-def _wait(processes: Sequence[Any], grace: float) -> dict[int, tuple[int, float]]:
-    """Wait until every process exited, or until ``grace`` seconds after the first failed (the others
-    then have time to report what they saw). Returns the failed ones: index -> (exit code, when)."""
-    failed: dict[int, tuple[int, float]] = {}
-    stop_at = None
-    while True:
-        for i, p in enumerate(processes):
-            code = p.exitcode
-            if i not in failed and code is not None and code != 0:
-                failed[i] = (code, time.time())
-        running = [p for p in processes if p.exitcode is None]
-        now = time.monotonic()
-        if failed and stop_at is None:
-            stop_at = now + grace
-        if not running or (stop_at is not None and now >= stop_at):
-            return failed
-        # in one-second slices at most, so that Ctrl-C (or SIGINT sent to this process alone) is seen at once
-        multiprocessing.connection.wait([p.sentinel for p in running],
-                                        timeout=1.0 if stop_at is None else min(1.0, max(stop_at - now, 0.01)))
 
 
 def _failure(processes: Sequence[Any], failed: dict[int, tuple[int, float]], reports: str, first: int,
@@ -221,13 +202,8 @@ def _failure(processes: Sequence[Any], failed: dict[int, tuple[int, float]], rep
             order[rank] = (report["consequence"], report["time"])
             continue
         code, when = failed[i]
-        if code < 0:
-            try:
-                how = f"was killed by {signal.Signals(-code).name}"
-            except ValueError:
-                how = f"was killed by signal {-code}"
-        else:
-            how = f"exited with code {code}"
+        how = how_it_ended(code)
+        how = f"was {how}" if how.startswith("killed") else how
         lines[rank] = f"rank {rank} (pid {processes[i].pid}) {how} before main_func returned"
         if code == 1 and i not in found:
             lines[rank] += unguarded if (unguarded := _unguarded_call()) else ""
@@ -325,6 +301,8 @@ def launch(
     *,
     backend: str | None = None,
     num_gpus_per_machine: int | None = None,
+    elastic: bool = False,
+    replacements: int = 0,
 ) -> None:
     """Start this machine's processes and run ``main_func(*args)`` in each.
 
@@ -348,6 +326,12 @@ def launch(
         timeout: seconds (or a timedelta) collectives and set-up wait for peers; default 600 s
             (detectron2's is 30 minutes).
         backend: "gloo" or "nccl"; default nccl when CUDA is available, else gloo.
+        elastic: the job outlives a lost rank: this process serves the job's store (so that it
+            outlives every rank), a process that dies without raising doesn't end the others
+            (they ``comm.shrink()`` and go on), and launch() returns once every process has
+            exited. A process that raises still fails the job.
+        replacements: with ``elastic``, how many lost processes are started again, in all; each
+            waits in the rendezvous until the members ``comm.admit()`` it.
 
     Under a launcher (torchrun, srun, mpirun; see ``from_env``) the launcher's world wins. If it
     started ``num_processes_per_machine`` processes on this machine, ``main_func`` runs in this
@@ -367,6 +351,33 @@ def launch(
         raise RuntimeError(
             "distcomm.launch() was called while a process it started imported your script: put the call "
             "under `if __name__ == \"__main__\":` (each process imports the script to find main_func)")
+    num_processes_per_machine, backend = _checked(main_func, num_processes_per_machine, num_gpus_per_machine,
+                                                  num_machines, machine_rank, backend, args, elastic, replacements)
+    seconds = _seconds(timeout, DEFAULT_TIMEOUT)
+    assert seconds is not None
+    env = detect()
+    if env.world_size > 1:  # a launcher started this process: its world wins
+        plan = machines_under(env, num_processes_per_machine, num_machines, machine_rank, dist_url)
+        if plan is None:
+            run_here(env, main_func, args, seconds, backend)
+            return
+        num_machines, machine_rank, dist_url = plan
+    if num_machines == 1 and num_processes_per_machine == 1:
+        _run_alone(main_func, args, seconds)
+        return
+    if dist_url in (None, "auto"):
+        if num_machines != 1:
+            raise ValueError("dist_url='auto' only works with num_machines=1; pass machine 0's tcp://host:port")
+        dist_url = f"tcp://127.0.0.1:{free_port()}"
+    assert dist_url is not None
+    _run_processes(main_func, args, num_processes_per_machine, num_machines, machine_rank, dist_url, backend,
+                   seconds, elastic, replacements)
+
+
+def _checked(main_func: Any, num_processes_per_machine: int | None, num_gpus_per_machine: int | None,
+             num_machines: int, machine_rank: int, backend: str | None, args: Any, elastic: bool,
+             replacements: int) -> tuple[int, str]:
+    """launch()'s arguments checked before anything starts: the processes per machine and the backend."""
     if not callable(main_func):
         raise TypeError(f"main_func must be callable, got {type(main_func).__name__}")
     if num_gpus_per_machine is not None:
@@ -389,49 +400,54 @@ def launch(
         raise RuntimeError("backend='nccl' needs CUDA and this machine has no CUDA device; use backend='gloo'")
     if isinstance(args, (str, bytes)) or not isinstance(args, Sequence):
         raise TypeError(f"args must be a tuple or list of main_func's arguments, got {type(args).__name__}")
-    seconds = _seconds(timeout, DEFAULT_TIMEOUT)
-    assert seconds is not None
-    env = detect()
-    if env.world_size > 1:  # a launcher started this process: its world wins
-        plan = machines_under(env, num_processes_per_machine, num_machines, machine_rank, dist_url)
-        if plan is None:
-            run_here(env, main_func, args, seconds, backend)
-            return
-        num_machines, machine_rank, dist_url = plan
-    if num_machines == 1 and num_processes_per_machine == 1:
-        with LocalCommunicator(timeout=seconds) as comm, use(comm):
-            set_default(comm)  # helper threads see it too, as in a job of many processes
-            try:
-                main_func(*args)
-            finally:
-                clear_default(comm)
-        return
-    if dist_url in (None, "auto"):
-        if num_machines != 1:
-            raise ValueError("dist_url='auto' only works with num_machines=1; pass machine 0's tcp://host:port")
-        dist_url = f"tcp://127.0.0.1:{free_port()}"
-    assert dist_url is not None
-    payload = dumps_code((main_func, tuple(args)))
-    first = machine_rank * num_processes_per_machine
+    if isinstance(replacements, bool) or not isinstance(replacements, int) or replacements < 0:
+        raise ValueError(f"replacements must be an int >= 0, got {replacements!r}")
+    if replacements and not elastic:
+        raise ValueError("replacements start lost ranks again in an elastic job: pass elastic=True too")
+    return num_processes_per_machine, backend
+
+
+def _run_alone(main_func: Callable[..., Any], args: Sequence[Any], seconds: float) -> None:
+    """A job of one process: ``main_func`` here, over a LocalCommunicator (nothing started or pickled)."""
+    with LocalCommunicator(timeout=seconds) as comm, use(comm):
+        set_default(comm)  # helper threads see it too, as in a job of many processes
+        try:
+            main_func(*args)
+        finally:
+            clear_default(comm)
+
+
+def _run_processes(main_func: Callable[..., Any], args: Sequence[Any], per_machine: int, num_machines: int,
+                   machine_rank: int, dist_url: str, backend: str, seconds: float, elastic: bool,
+                   replacements: int) -> None:
+    """Start this machine's processes, watch them (``_supervise``), and report the job's failure."""
+    first = machine_rank * per_machine
     context = None
+    processes: list[Any] = []
     reports = tempfile.mkdtemp(prefix="distcomm-launch-")
+    store = serve_store(dist_url, per_machine * num_machines, seconds) if elastic and machine_rank == 0 else None
+    worker_args = (dumps_code((main_func, tuple(args))), per_machine, num_machines, machine_rank, dist_url, backend,
+                   seconds, os.getpid(), reports, not elastic)
     try:
         context = mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
-            _worker,
-            args=(payload, num_processes_per_machine, num_machines, machine_rank, dist_url, backend, seconds,
-                  os.getpid(), reports),
-            nprocs=num_processes_per_machine,
-            join=False,
-            start_method="spawn",
-        )
-        failed = _wait(context.processes, _GRACE)
+            _worker, args=worker_args, nprocs=per_machine, join=False, start_method="spawn")
+        processes = list(context.processes)
+        if elastic:
+            spawn = mp.get_context("spawn")
+            failed = wait_elastic(processes, _GRACE, reports, first, replacements,
+                                  lambda i: _started(spawn.Process(target=_worker, args=(i, *worker_args))))
+        else:
+            failed = wait_until_failure(processes, _GRACE)
         if failed:
-            _end(context.processes, stacks=True)  # before reading the reports: none is written after
-            raise _failure(context.processes, failed, reports, first,
-                           getattr(context, "error_files", ())) from None
+            _end(processes, stacks=True)  # before reading the reports: none is written after
+            raise _failure(processes, failed, reports, first, getattr(context, "error_files", ())) from None
     finally:  # on every way out, processes still running are ended (those started before an interrupt
         # inside start_processes die with this one: PDEATHSIG)
-        if context is not None:
-            _end(context.processes)
+        _end(processes or (context.processes if context is not None else []))
         shutil.rmtree(reports, ignore_errors=True)
+        del store
 
+
+def _started(process: Any) -> Any:
+    process.start()
+    return process

@@ -248,6 +248,7 @@ def shrink(comm: _TorchCommunicator, seconds: float | None) -> Communicator:
     lost = tuple(r for r in members if r not in survivors)
     new = dataclasses.replace(seat, epoch=epoch, members=survivors, admitted=())
     made: Communicator = start_seat(type(comm), new, lost=lost, **settings)
+    comm._successor = made
     return made
 
 
@@ -272,6 +273,7 @@ def admit(comm: _TorchCommunicator, seconds: float | None) -> Communicator:
     comm.close()
     new = dataclasses.replace(seat, epoch=epoch, members=everyone, admitted=tuple(sorted(newcomers)))
     made: Communicator = start_seat(type(comm), new, **settings)
+    comm._successor = made
     return made
 
 

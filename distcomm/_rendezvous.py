@@ -34,7 +34,7 @@ import torch
 
 from ._errors import CollectiveTimeoutError, CommunicatorStateError, DistCommError, PeerError
 
-__all__ = ["Seat", "meet", "parse_url", "unreachable_here"]
+__all__ = ["Seat", "meet", "parse_url", "serve_store", "unreachable_here"]
 
 POLL_FIRST, POLL_LAST = 0.01, 0.5
 """Seconds between looks at the store while a process waits for its round: soon at first (ranks
@@ -201,6 +201,13 @@ def _connect(host: str, port: int, rank: int, world: int, seconds: float, hosted
     return _client(host, port, world, max(deadline - time.monotonic(), 1.0), rank, hosted, where)
 
 
+def serve_store(url: str, world: int, seconds: float) -> Any:
+    """Serve the job's store at ``url`` from this process (which is none of the job's ranks: the
+    store then outlives any of them). Kept as long as the caller holds it."""
+    host, port = parse_url(url)
+    return _serve(host, port, world, seconds, f"the job's store at {host}:{port}")
+
+
 def _serve(host: str, port: int, world: int, seconds: float, where: str) -> Any:
     try:
         return _c10d().TCPStore(host, port, world, True, datetime.timedelta(seconds=seconds), wait_for_workers=False)
@@ -305,6 +312,8 @@ def unreachable_here(master: str) -> str:
 
 
 def _is_loopback(host: str) -> bool:
+    if host in ("::1", "localhost"):  # (gethostbyname takes no IPv6 literal)
+        return True
     try:
         return socket.gethostbyname(host).startswith("127.") or host in ("::1", "localhost")
     except OSError:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import os
 import datetime
+import os
 import socket
 import sys
 import time
@@ -25,8 +25,8 @@ from ._defaults import set_default
 from ._errors import CommunicatorStateError
 from ._launchers import LaunchEnv
 from ._membership import keep_alive
-from ._messages import settle_limit
 from ._memory import seconds as _seconds
+from ._messages import settle_limit
 from ._rendezvous import Seat, meet, parse_url, unreachable_here
 from ._waits import store_host_pid
 

@@ -387,3 +387,37 @@ def test_a_rank_that_raises_after_an_isend_does_not_hold_the_job(tmp_path: Path)
     code, lines, err = ended[0]
     assert code == 0 and lines and lines[0]["error"] in ("PeerError", "CollectiveTimeoutError"), err
     assert lines[0]["seconds"] < 100, lines  # well before the communicator's timeout
+
+
+# ---------------------------------------------------------------- launch(..., elastic=True)
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "elastic_train.py"
+
+
+def test_the_elastic_example_outlives_a_killed_rank_and_admits_its_replacement() -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, str(EXAMPLE), "--nproc", "4", "--steps", "80", "--kill-rank", "1",
+                          "--kill-step", "3"], env=env, capture_output=True, text=True, timeout=WAIT * 2)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "rank 1 (pid" in out.stderr and "was lost (killed by SIGKILL); started again" in out.stderr, out.stderr
+    assert "shrunk to GlooCommunicator(rank=0, world_size=3, open, lost=[1])" in out.stdout, out.stdout
+    done = next(line for line in out.stdout.splitlines() if line.startswith("done: "))
+    assert "admitted=[1]" in done and "the same on every rank: True" in done, done
+    checked = json.loads(done.rpartition("per rank: ")[2])
+    assert len(checked) == 4 and min(checked[:1] + checked[2:]) >= 79, done  # every step the members took
+
+
+def test_replacements_need_an_elastic_job() -> None:
+    with pytest.raises(ValueError, match="pass elastic=True too"):
+        distcomm.launch(print, 2, replacements=1)
+
+
+def _raise_on_rank_1() -> None:
+    comm = distcomm.current()
+    if comm.rank == 1:
+        raise KeyError("a bug, not a loss")
+    comm.all_gather(0)
+
+
+def test_an_elastic_job_still_fails_on_a_rank_that_raises() -> None:
+    with pytest.raises(distcomm.RankFailedError, match="rank 1 raised KeyError"):
+        distcomm.launch(_raise_on_rank_1, 2, elastic=True, replacements=1, timeout=30)
