@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from ._calls import CallSpec, Op
 from ._errors import CommunicatorStateError, PeerError
 from ._rendezvous import Seat
-from ._waits import alive, tcp_store
+from ._waits import HOSTS_LOST, LOSS_SECONDS, alive, tcp_store
 
 if TYPE_CHECKING:
     from ._communicator import Communicator
@@ -33,9 +33,6 @@ __all__ = ["BEAT_SECONDS", "LOSS_SECONDS", "Membership", "admit", "keep_alive", 
 
 BEAT_SECONDS = 0.5
 """How often a process's keep-alive beat moves in the job's store."""
-LOSS_SECONDS = 5.0
-"""A beat that has not moved for this long is a lost rank (its host is down or cut off): ten
-beats, so that a machine busy enough to starve the beat's thread for a few seconds isn't dropped."""
 POLL_SECONDS = 0.05
 
 
@@ -53,9 +50,25 @@ class Membership:
 
 
 # ---------------------------------------------------------------- keep-alive
+@dataclasses.dataclass
+class _Beat:
+    """What the keep-alive thread does for one membership: beat as ``job_rank``, watch ``successor``."""
+
+    store: Any  # a client of its own
+    epoch: str
+    job_rank: int
+    successor: int | None  # the next member, whose beat this process watches (None: alone)
+    watch: socket.socket | None  # a connection to the store's port that only its end makes readable
+    host_pid: int | None  # the store's host, where this machine sees it
+    seen: tuple[bytes, float] = (b"", 0.0)  # the successor's beat, and when it last moved
+
+
 class _KeepAlive:
     """One thread per process that moves ``alive/<job rank>`` in the job's store every beat, on a
-    connection of its own (a collective's wait never delays it).
+    connection of its own (a collective's wait never delays it), and watches the next member's
+    beat: one that stops for ``LOSS_SECONDS`` (a lost host, whose connections nothing resets) is
+    posted for the membership, and every process's waits then fail at their next slice, naming it.
+    Each rank watches one other, so the store sees a few calls per rank per beat at any world size.
 
     It also watches whether the store is still there, without asking it: torch's store client
     prints pages of C++ stack frames for each call to a store that is gone. A plain connection to
@@ -64,7 +77,7 @@ class _KeepAlive:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._target: tuple[Any, str, socket.socket | None, int | None] | None = None
+        self._beat: _Beat | None = None
         self._thread: threading.Thread | None = None
 
     def follow(self, seat: Seat, host_pid: int | None) -> None:
@@ -72,11 +85,15 @@ class _KeepAlive:
             store = seat.job.clone()
             server = tcp_store(seat.job)
             watch = None if server is None else socket.create_connection((server.host, server.port), timeout=5.0)
+            store.add(f"alive/{seat.job_rank}", 1)
         except Exception:
             return
+        members = seat.members
+        successor = members[(members.index(seat.job_rank) + 1) % len(members)] if len(members) > 1 else None
         with self._lock:
             self._stop()
-            self._target = (store, f"alive/{seat.job_rank}", watch, host_pid)
+            HOSTS_LOST.clear()
+            self._beat = _Beat(store, seat.epoch, seat.job_rank, successor, watch, host_pid, (b"", time.monotonic()))
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="distcomm-keepalive", daemon=True)
                 self._thread.start()
@@ -84,34 +101,46 @@ class _KeepAlive:
     def store_gone(self) -> bool:
         """Whether the store this process beats in has gone away (False when it isn't watched)."""
         with self._lock:
-            target = self._target
-        if target is None:
+            beat = self._beat
+        if beat is None:
             return False
-        _, _, watch, pid = target
-        if pid is not None and not alive(pid):
+        if beat.host_pid is not None and not alive(beat.host_pid):
             return True
-        return watch is not None and bool(select.select([watch], [], [], 0)[0])
+        return beat.watch is not None and bool(select.select([beat.watch], [], [], 0)[0])
 
     def _stop(self) -> None:
-        if self._target is not None and self._target[2] is not None:
-            self._target[2].close()
-        self._target = None
+        if self._beat is not None and self._beat.watch is not None:
+            self._beat.watch.close()
+        self._beat = None
 
     def _run(self) -> None:
         while True:
             with self._lock:
-                target = self._target
-            if target is not None:
-                if self.store_gone():
-                    with self._lock:
-                        if self._target is target:
-                            self._stop()
-                else:
-                    try:
-                        target[0].add(target[1], 1)
-                    except Exception:  # noqa: S110 - gone between the look and the beat: the next look says
-                        pass
+                beat = self._beat
+            if beat is not None and self.store_gone():
+                with self._lock:
+                    if self._beat is beat:
+                        self._stop()
+            elif beat is not None:
+                try:
+                    self._once(beat)
+                except Exception:  # noqa: S110 - gone between the look and the beat: the next look says
+                    pass
             time.sleep(BEAT_SECONDS)
+
+    def _once(self, beat: _Beat) -> None:
+        store = beat.store
+        store.add(f"alive/{beat.job_rank}", 1)
+        if beat.successor is not None:
+            key = f"alive/{beat.successor}"
+            now = time.monotonic()
+            value = store.get(key) if store.check([key]) else b""
+            if value != beat.seen[0]:
+                beat.seen = (value, now)
+            elif now - beat.seen[1] > LOSS_SECONDS:
+                store.compare_set(f"{beat.epoch}/silent", "", str(beat.successor))
+        if not HOSTS_LOST and store.check([f"{beat.epoch}/silent"]):
+            HOSTS_LOST.append(int(store.get(f"{beat.epoch}/silent")))
 
 
 keep_alive = _KeepAlive()

@@ -60,7 +60,14 @@ def start_from(cls: type[_TorchCommunicator], env: LaunchEnv, *,
     if env.node_rank is not None:
         kwargs.setdefault("machine", env.node_rank)
     return start_world(cls, f"tcp://{host}:{port}", env.rank, env.world_size, env.local_rank, timeout=timeout,
-                       scope=env.job, hosted=not env.launcher_store, launcher=env.launcher, **kwargs)
+                       scope=env.job, hosted=not (env.launcher_store or _store_apart()),
+                       launcher=env.launcher, **kwargs)
+
+
+def _store_apart() -> bool:
+    """Whether the job's store is served apart from its ranks (``python -m distcomm store``): then
+    rank 0 is its client like every other rank, and the store outlives any of them."""
+    return os.environ.get("DISTCOMM_STORE", "") == "external"
 
 
 def start_world(

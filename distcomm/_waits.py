@@ -22,8 +22,8 @@ from ._errors import CollectiveError, CollectiveTimeoutError, DistCommError, Pee
 if TYPE_CHECKING:
     from ._torch import _TorchCommunicator
 
-__all__ = ["SLICE", "alive", "tcp_store", "timedelta_of", "fail", "interrupted", "process_id", "store_host_pid",
-           "wait", "wait_whole"]
+__all__ = ["HOSTS_LOST", "LOSS_SECONDS", "SLICE", "alive", "tcp_store", "timedelta_of", "fail", "interrupted",
+           "process_id", "store_host_pid", "wait", "wait_whole"]
 
 
 @functools.lru_cache(maxsize=16)
@@ -193,8 +193,15 @@ def interrupted(comm: _TorchCommunicator, e: BaseException) -> None:
                       f"waiting for its peers")
 
 
+HOSTS_LOST: list[int] = []
+"""The job rank whose keep-alive beat stopped in this process's membership (see _membership)."""
+
+
 def check_peers(comm: _TorchCommunicator, needed: Iterable[int], seen: dict[int, float]) -> None:
-    """Raise PeerError for a peer this wait needs whose process has been gone for DEAD_GRACE."""
+    """Raise PeerError for a peer this wait needs whose process has been gone for DEAD_GRACE, or
+    for any member whose keep-alive stopped (its host is down or cut off: nothing resets its connections)."""
+    if HOSTS_LOST:
+        _host_lost(comm, HOSTS_LOST[0])
     now = time.monotonic()
     gone = []
     for r in needed:
@@ -209,6 +216,23 @@ def check_peers(comm: _TorchCommunicator, needed: Iterable[int], seen: dict[int,
         raise PeerError(f"{what}: lost a peer: {names} on this machine exited while this rank still needed it "
                         f"(its connections may stay open in a process it forked, so the transport can't tell)",
                         op=comm._op_label, ranks=[r for r, _ in gone])
+
+
+def _host_lost(comm: _TorchCommunicator, job_rank: int) -> None:
+    job_ranks = comm.membership.job_ranks
+    if job_rank not in job_ranks:
+        return
+    rank = job_ranks.index(job_rank)
+    what = f"{comm._op_label} (call #{comm._seq})"
+    comm._mark_broken(f"{what}: rank {rank}'s keep-alive stopped")
+    raise PeerError(f"{what}: lost a peer: rank {rank} (job rank {job_rank}) has not answered for "
+                    f"{LOSS_SECONDS:g} s (its keep-alive in the job's store stopped: its host is down or cut off)",
+                    op=comm._op_label, ranks=[rank])
+
+
+LOSS_SECONDS = 5.0
+"""A keep-alive beat that has not moved for this long is a lost rank (its host is down or cut off):
+ten beats, so that a machine busy enough to starve the beat's thread for a few seconds isn't dropped."""
 
 
 def ask_store(comm: _TorchCommunicator, grace: float,

@@ -1,0 +1,201 @@
+"""The kill campaign: jobs whose ranks are killed (SIGKILL) at random points, the survivors shrinking
+and admitting replacements, every collective's result checked exactly against the membership.
+
+A job is ``world`` processes of ``RANK_PROGRAM`` started as a job controller starts them, with the
+store served by the driver (so any rank may die, rank 0 included). Victims die after a random
+delay (inside a collective or between two), or when they enter ``shrink`` or ``admit``. The
+driver starts a replacement for each victim at once. Counted per job: kills, hangs (a process
+still running at the bound), and wrong results or disagreements (a survivor that exits non-zero,
+or survivors that end with different memberships).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import distcomm
+from distcomm._rendezvous import serve_store
+
+RANK_PROGRAM = textwrap.dedent("""
+    import json, os, random, signal, sys, threading, time
+    import torch
+    import distcomm
+
+    seed, steps, world = int(sys.argv[1]), int(sys.argv[2]), int(os.environ["WORLD_SIZE"])
+    kill_after, kill_in = float(os.environ.get("KILL_AFTER", "-1")), os.environ.get("KILL_IN", "")
+    comm = distcomm.from_env(timeout=60)
+    die = lambda: os.kill(os.getpid(), signal.SIGKILL)
+    if kill_after >= 0:
+        threading.Timer(kill_after, die).start()
+
+    def first_member(comm):
+        newcomers = set(comm.membership.admitted)
+        return next(r for r, j in enumerate(comm.membership.job_ranks) if j not in newcomers)
+
+    def run(comm, step):
+        members, n, r = list(comm.membership.job_ranks), comm.world_size, comm.rank
+        me, root = members[r], step % n
+        kind = random.Random(seed * 1_000_003 + step).randrange(10)
+        if kind == 0:
+            assert comm.all_gather(me) == members
+        elif kind == 1:
+            assert comm.gather(me, dst=root) == (members if r == root else [])
+        elif kind == 2:
+            assert comm.broadcast(step if r == root else None, src=root) == step
+        elif kind == 3:
+            assert comm.scatter([m * step for m in members] if r == root else None, src=root) == me * step
+        elif kind == 4:
+            assert float(comm.all_reduce_dict({"x": torch.tensor(float(me))}, op="sum")["x"]) == sum(members)
+        elif kind == 5:
+            t = torch.full((3,), float(me))
+            comm.all_reduce(t)
+            assert t.tolist() == [float(sum(members))] * 3
+        elif kind == 6:
+            assert comm.all_to_all([(me, d) for d in range(n)]) == [(members[s], r) for s in range(n)]
+        elif kind == 7:
+            comm.synchronize()
+        elif kind == 8 and n > 1:
+            comm.send(me, dst=(r + 1) % n, tag=step % 7)
+            assert comm.recv(src=(r - 1) % n, tag=step % 7) == members[(r - 1) % n]
+        elif kind == 9:
+            assert comm.reduce_object({me}, "union", dst=root) == (set(members) if r == root else None)
+
+    def agree_on_step(comm, step):
+        src = first_member(comm)
+        return comm.broadcast(step if comm.rank == src else None, src=src)
+
+    step, shrinks, admits = 0, 0, 0
+    if comm.membership.admitted:
+        step = agree_on_step(comm, step)
+    deadline = None
+    while True:
+        try:
+            if step < steps:
+                run(comm, step)
+                step += 1
+            if step % 25 == 0 or step >= steps:
+                if kill_in == "admit":
+                    die()
+                new = comm.admit()
+                if new is not comm:
+                    comm, admits = new, admits + 1
+                    step = agree_on_step(comm, step)
+            if step >= steps:  # the end: wait a while for the replacements still coming (decided by one rank)
+                deadline = deadline or time.monotonic() + 30
+                src = first_member(comm)
+                if comm.broadcast(comm.world_size == world or time.monotonic() > deadline, src=src):
+                    break
+                time.sleep(0.2)
+        except distcomm.DistCommError:
+            if kill_in == "shrink":
+                die()
+            comm, shrinks = comm.shrink(), shrinks + 1
+            step = agree_on_step(comm, step)
+    final = comm.all_gather(list(comm.membership.job_ranks))
+    assert all(f == final[0] for f in final), final
+    print(json.dumps({"members": list(comm.membership.job_ranks), "shrinks": shrinks, "admits": admits,
+                      "step": step}), flush=True)
+    comm.close()
+""")
+
+
+@dataclasses.dataclass
+class Outcome:
+    kills: int = 0
+    hangs: int = 0
+    wrong: int = 0  # a survivor failed (a wrong result, an error) or survivors disagree
+    jobs: int = 0
+    details: list[str] = dataclasses.field(default_factory=list)
+
+    def add(self, other: Outcome) -> None:
+        self.kills += other.kills
+        self.hangs += other.hangs
+        self.wrong += other.wrong
+        self.jobs += other.jobs
+        self.details += other.details
+
+
+def run_job(tmp: Path, world: int, seed: int, steps: int = 300, bound: float = 150.0) -> Outcome:
+    """One job of ``world`` ranks with a random plan of kills; what happened."""
+    rng = random.Random(seed)
+    script = tmp / "rank.py"
+    script.write_text(RANK_PROGRAM)
+    port = distcomm.free_port()
+    store = serve_store(f"tcp://127.0.0.1:{port}", world, bound)
+    plan = _plan(rng, world)
+    procs: dict[int, subprocess.Popen[str]] = {r: _start(script, r, world, port, seed, steps, plan.get(r, {}))
+                                               for r in range(world)}
+    replacements: dict[int, subprocess.Popen[str]] = {}
+    kills = 0
+    deadline = time.monotonic() + bound
+    try:
+        while time.monotonic() < deadline and any(p.poll() is None for p in [*procs.values(), *replacements.values()]):
+            for r, p in procs.items():
+                if p.poll() == -signal.SIGKILL and r not in replacements:
+                    kills += 1
+                    replacements[r] = _start(script, r, world, port, seed, steps, {})
+            time.sleep(0.05)
+        return _judge(procs, replacements, kills, seed, world)
+    finally:
+        for p in [*procs.values(), *replacements.values()]:
+            if p.poll() is None:
+                p.kill()
+            p.wait(10)
+        del store
+
+
+def _plan(rng: random.Random, world: int) -> dict[int, dict[str, str]]:
+    """Who dies, and when: one or two ranks after the same random delay (two at once), and often
+    one more as it enters shrink() or admit()."""
+    ranks = list(range(world))
+    rng.shuffle(ranks)
+    at = f"{rng.uniform(0.2, 2.5):.3f}"
+    plan = {ranks[0]: {"KILL_AFTER": at}}
+    if rng.random() < 0.5:
+        plan[ranks[1]] = {"KILL_AFTER": at}
+    if world > 3 and rng.random() < 0.6:
+        plan[ranks[2]] = {"KILL_IN": rng.choice(["shrink", "admit"])}
+    return plan
+
+
+def _start(script: Path, rank: int, world: int, port: int, seed: int, steps: int,
+           extra: dict[str, str]) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "RANK": str(rank), "WORLD_SIZE": str(world),
+           "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "DISTCOMM_STORE": "external", **extra}
+    return subprocess.Popen([sys.executable, str(script), str(seed), str(steps)], env=env, cwd=script.parent,
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _judge(procs: dict[int, Any], replacements: dict[int, Any], kills: int, seed: int, world: int) -> Outcome:
+    out = Outcome(kills=kills, jobs=1)
+    finals = []
+    for name, p in [*((f"rank {r}", p) for r, p in procs.items()),
+                    *((f"replacement of {r}", p) for r, p in replacements.items())]:
+        if p.poll() is None:
+            out.hangs += 1
+            out.details.append(f"seed {seed} world {world}: {name} still running at the bound")
+            continue
+        if p.returncode == -signal.SIGKILL:
+            continue
+        stdout, stderr = p.communicate(timeout=10)
+        lines = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+        if p.returncode != 0 or not lines:
+            out.wrong += 1
+            out.details.append(f"seed {seed} world {world}: {name} exited {p.returncode}: {stderr[-1500:]}")
+            continue
+        finals.append(lines[-1]["members"])
+    if len({json.dumps(f) for f in finals}) > 1:
+        out.wrong += 1
+        out.details.append(f"seed {seed} world {world}: survivors disagree: {finals}")
+    return out
