@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import zlib
 from collections.abc import Mapping
 
@@ -220,13 +221,14 @@ def tasks_per_node(text: str) -> list[int]:
     """Slurm's tasks per node, ``2(x3),1``, as one count per node: [2, 2, 2, 1]."""
     counts: list[int] = []
     for part in text.split(","):
-        count, _, times = part.partition("(x")
-        try:
-            n, k = int(count), int(times.rstrip(")")) if times else 1
-        except ValueError:
-            raise ValueError(f"tasks per node {text!r} is not Slurm's form, e.g. '2(x3),1'") from None
-        counts.extend([n] * k)
+        m = _TASKS.match(part.strip())
+        if m is None:  # '4(x2' too: a cut-off variable is no count to guess from
+            raise ValueError(f"tasks per node {text!r} is not Slurm's form, e.g. '2(x3),1'")
+        counts.extend([int(m.group(1))] * int(m.group(2) or 1))
     return counts
+
+
+_TASKS = re.compile(r"(\d+)(?:\(x(\d+)\))?\Z")
 
 
 def _explicit(env: Mapping[str, str]) -> LaunchEnv:

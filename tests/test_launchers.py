@@ -155,6 +155,13 @@ def test_tasks_per_node() -> None:
     assert tasks_per_node("4") == [4]
 
 
+@pytest.mark.parametrize("text", ["4(x2", "4(x2)x", "(x2)", "4,", "2(x)"])
+def test_tasks_per_node_refuses_what_is_not_slurms_form(text: str) -> None:
+    """A cut-off ``4(x2`` is not ``4(x2)``: guessing would size the world from a broken variable."""
+    with pytest.raises(ValueError, match="is not Slurm's form"):
+        tasks_per_node(text)
+
+
 @pytest.mark.parametrize(("text", "hosts"), [
     ("gpu[01-04,07]", ["gpu01", "gpu02", "gpu03", "gpu04", "gpu07"]),
     ("a[1-2]-ib,b3", ["a1-ib", "a2-ib", "b3"]),
@@ -162,6 +169,9 @@ def test_tasks_per_node() -> None:
     ("n[8-10]", ["n8", "n9", "n10"]),
     ("n[08-10]", ["n08", "n09", "n10"]),
     ("a,,b c", ["a", "b", "c"]),
+    # three sets: scontrol runs the middle set outermost, then the first, the last fastest (hostlist.c
+    # expands the prefix's sets from the right); tests/launchers/test_slurm.py compares with scontrol
+    ("a[1-2]b[1-2]c[1-2]", ["a1b1c1", "a1b1c2", "a2b1c1", "a2b1c2", "a1b2c1", "a1b2c2", "a2b2c1", "a2b2c2"]),
 ])
 def test_hostlist(text: str, hosts: list[str]) -> None:
     assert expand_hostlist(text) == hosts
