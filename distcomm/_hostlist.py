@@ -66,10 +66,10 @@ def _expand_name(name: str, text: str) -> list[str]:
         if total > _LONGEST:
             raise ValueError(f"node list {text!r} names more than {_LONGEST} hosts")
     order = [*range(len(sets) - 2, -1, -1), len(sets) - 1] if sets else []
-    out = []
+    out: list[str] = []
     for chosen in itertools.product(*(sets[i] for i in order)):
-        numbers = dict(zip(order, chosen, strict=True))
-        out.append("".join(literal + (numbers[i] if body is not None else "")
+        picked = dict(zip(order, chosen, strict=True))
+        out.append("".join(literal + (picked[i] if body is not None else "")
                            for i, (literal, body) in enumerate(pieces)))
     return out
 
