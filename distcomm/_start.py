@@ -8,6 +8,7 @@ is the one place that initializes torch.distributed's default group (``from_env`
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import socket
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +25,7 @@ from ._rendezvous import open_store, parse_url, unreachable_here
 if TYPE_CHECKING:
     from ._torch import _TorchCommunicator
 
-__all__ = ["free_port", "start_from", "start_world"]
+__all__ = ["free_port", "start_from", "start_world", "unreachable", "url_host"]
 
 
 def free_port() -> int:
@@ -32,6 +33,23 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def url_host(addr: str) -> str:
+    """``addr`` as the host part of a tcp:// URL: an IPv6 address goes in brackets."""
+    return f"[{addr}]" if ":" in addr else addr
+
+
+def unreachable(master: str) -> str:
+    """Why peers on other machines couldn't reach this process with ``master`` as the rendezvous
+    host, or "". A loopback ``master`` (IPv6's ::1 too: the name lookup behind ``unreachable_here``
+    knows IPv4 only) means every rank runs on this machine, whatever the launcher's local size says."""
+    try:
+        if ipaddress.ip_address(master.strip("[]")).is_loopback:
+            return ""
+    except ValueError:
+        pass  # a host name: the lookup decides
+    return unreachable_here(master)
 
 
 def start_from(cls: type[_TorchCommunicator], env: LaunchEnv, *,
@@ -43,15 +61,15 @@ def start_from(cls: type[_TorchCommunicator], env: LaunchEnv, *,
     if env.master_addr is None or (env.master_port is None and env.world_size > 1):
         raise CommunicatorStateError(f"{cls.__name__}.from_env(): {env.address_problem or 'set MASTER_PORT'}")
     spans_machines = env.local_size is not None and env.local_size < env.world_size
-    problem = unreachable_here(env.master_addr) if spans_machines else ""
+    problem = unreachable(env.master_addr) if spans_machines else ""
     if problem:  # refused before connecting: otherwise each of gloo's connections waits for the timeout
         raise CommunicatorStateError(f"{cls.__name__}.from_env() under {env.launcher} across machines: {problem}")
-    host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr
     port = env.master_port or free_port()  # a world of one: any free port
     if env.node_rank is not None:
         kwargs.setdefault("machine", env.node_rank)
-    return start_world(cls, f"tcp://{host}:{port}", env.rank, env.world_size, env.local_rank, timeout=timeout,
-                       scope=env.job, hosted=not env.launcher_store, launcher=env.launcher, **kwargs)
+    url = f"tcp://{url_host(env.master_addr)}:{port}"
+    return start_world(cls, url, env.rank, env.world_size, env.local_rank, timeout=timeout, scope=env.job,
+                       hosted=not env.launcher_store, launcher=env.launcher, **kwargs)
 
 
 def start_world(
