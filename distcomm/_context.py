@@ -5,7 +5,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import contextvars
-import multiprocessing
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -15,7 +14,7 @@ import torch.distributed as dist
 from ._communicator import Communicator
 from ._defaults import get_default
 from ._errors import CommunicatorStateError
-from ._launchers import detect
+from ._launchers import detect, inherited
 from ._local import LocalCommunicator
 from ._torch import GlooCommunicator, NcclCommunicator
 
@@ -65,7 +64,8 @@ def current() -> Communicator:
         CommunicatorStateError: none is set up, and a launcher started this process as one of
             several (torchrun, srun, mpirun): a world of one would silently compute alone. (A
             process a rank started with multiprocessing, such as a data loader's worker, gets a
-            LocalCommunicator.) Setting
+            LocalCommunicator, unless its launcher variables were set for it after it started, as
+            elastic_launch's workers' are.) Setting
             one up is left to the script (``distcomm.from_env()``): it connects to a rendezvous and
             picks a backend and a timeout, which a getter shouldn't do behind the user's back, and a
             rank that never called a helper would leave the others waiting for the timeout.
@@ -93,8 +93,9 @@ def current() -> Communicator:
         return implicit
     env = detect()
     # a process Python's multiprocessing started (a data loader's worker) inherits the launcher's
-    # variables but is a helper of its rank, not a rank: a world of one, as before
-    if env.world_size > 1 and multiprocessing.parent_process() is None:
+    # variables but is a helper of its rank, not a rank: a world of one, as before. One whose own
+    # launcher variables were set for it (elastic_launch's workers, mp.spawn's) is a rank.
+    if env.world_size > 1 and not inherited(env):
         raise CommunicatorStateError(
             f"no distcomm communicator is set up, and {env.launcher} started this process as rank {env.rank} "
             f"of {env.world_size}: alone, it would compute as a world of one. Set one up once at the start "

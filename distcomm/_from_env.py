@@ -17,7 +17,7 @@ from ._launchers import LaunchEnv, detect
 from ._local import LocalCommunicator
 from ._memory import seconds as _seconds
 from ._rendezvous import parse_url, unreachable_here
-from ._start import start_from
+from ._start import start_from, url_host
 from ._torch import GlooCommunicator, NcclCommunicator
 
 __all__ = ["communicator_class", "from_env", "machines_under", "run_here"]
@@ -95,8 +95,7 @@ def machines_under(env: LaunchEnv, per_machine: int, num_machines: int, machine_
     if dist_url in (None, "auto") or num_machines == 1:
         if env.master_addr is None or env.master_port is None:
             raise ValueError(f"launch() can't start this machine's processes: {env.address_problem}")
-        host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr
-        dist_url = f"tcp://{host}:{env.master_port}"
+        dist_url = f"tcp://{url_host(env.master_addr)}:{env.master_port}"
     problem = unreachable_here(parse_url(dist_url)[0])
     if problem:  # refused before starting anything: each of gloo's connections would wait for the timeout
         raise CommunicatorStateError(f"launch() under {env.launcher} across machines: {problem}")

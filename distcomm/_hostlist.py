@@ -2,7 +2,10 @@
 
 A list is names separated by commas or white space (empty ones skipped, as Slurm does); a name
 may hold several bracketed sets, each a comma-separated list of numbers or ``lo-hi`` ranges, and
-expands to their product, left set outermost, as ``scontrol show hostnames`` prints it. A range
+expands to their product in the order ``scontrol show hostnames`` prints it: the last set varies
+fastest, and the others, outermost first, from the second-to-last back to the first (Slurm's
+hostlist.c takes the last set as the ranges, then expands the prefix's sets from its right end
+outwards, so ``a[1-2]b[1-2]c[1-2]`` runs b, then a, then c). A range
 keeps the width of its lower bound (``[08-10]`` is 08, 09, 10). Text after the last set
 (``a[1-2]-ib``) is kept, as newer Slurm releases do (22.05 refuses it). Anything else raises
 ValueError: nested or unbalanced brackets, a range that runs backwards, an empty set.
@@ -10,6 +13,7 @@ ValueError: nested or unbalanced brackets, a range that runs backwards, an empty
 
 from __future__ import annotations
 
+import itertools
 import re
 
 __all__ = ["expand_hostlist"]
@@ -53,13 +57,20 @@ def _split_top_level(text: str) -> list[str]:
 
 
 def _expand_name(name: str, text: str) -> list[str]:
-    """One name with its bracketed sets expanded: a product, left set outermost."""
-    out = [""]
-    for literal, body in _pieces(name):
-        choices = _expand_set(body, text) if body is not None else [""]
-        out = [prefix + literal + c for prefix in out for c in choices]
-        if len(out) > _LONGEST:
+    """One name with its bracketed sets expanded, in Slurm's order (see the module's text)."""
+    pieces = _pieces(name)
+    sets = [_expand_set(body, text) for _, body in pieces if body is not None]
+    total = 1
+    for numbers in sets:
+        total *= len(numbers)
+        if total > _LONGEST:
             raise ValueError(f"node list {text!r} names more than {_LONGEST} hosts")
+    order = [*range(len(sets) - 2, -1, -1), len(sets) - 1] if sets else []
+    out: list[str] = []
+    for chosen in itertools.product(*(sets[i] for i in order)):
+        picked = dict(zip(order, chosen, strict=True))
+        out.append("".join(literal + (picked[i] if body is not None else "")
+                           for i, (literal, body) in enumerate(pieces)))
     return out
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import ipaddress
 import os
 import secrets
 import socket
@@ -312,10 +313,12 @@ def unreachable_here(master: str) -> str:
 
 
 def _is_loopback(host: str) -> bool:
-    if host in ("::1", "localhost"):  # (gethostbyname takes no IPv6 literal)
-        return True
+    try:  # an address: IPv6's ::1 too (the name lookup below knows IPv4 only)
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        pass
     try:
-        return socket.gethostbyname(host).startswith("127.") or host in ("::1", "localhost")
+        return host == "localhost" or socket.gethostbyname(host).startswith("127.")
     except OSError:
         return False
 

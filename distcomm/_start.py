@@ -33,7 +33,7 @@ from ._waits import store_host_pid
 if TYPE_CHECKING:
     from ._torch import _TorchCommunicator
 
-__all__ = ["free_port", "start_from", "start_seat", "start_world"]
+__all__ = ["free_port", "start_from", "start_seat", "start_world", "url_host"]
 
 
 def free_port() -> int:
@@ -41,6 +41,11 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def url_host(addr: str) -> str:
+    """``addr`` as the host part of a tcp:// URL: an IPv6 address goes in brackets."""
+    return f"[{addr}]" if ":" in addr else addr
 
 
 def start_from(cls: type[_TorchCommunicator], env: LaunchEnv, *,
@@ -55,13 +60,12 @@ def start_from(cls: type[_TorchCommunicator], env: LaunchEnv, *,
     problem = unreachable_here(env.master_addr) if spans_machines else ""
     if problem:  # refused before connecting: otherwise each of gloo's connections waits for the timeout
         raise CommunicatorStateError(f"{cls.__name__}.from_env() under {env.launcher} across machines: {problem}")
-    host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr
     port = env.master_port or free_port()  # a world of one: any free port
     if env.node_rank is not None:
         kwargs.setdefault("machine", env.node_rank)
-    return start_world(cls, f"tcp://{host}:{port}", env.rank, env.world_size, env.local_rank, timeout=timeout,
-                       scope=env.job, hosted=not (env.launcher_store or _store_apart()),
-                       launcher=env.launcher, **kwargs)
+    url = f"tcp://{url_host(env.master_addr)}:{port}"
+    return start_world(cls, url, env.rank, env.world_size, env.local_rank, timeout=timeout, scope=env.job,
+                       hosted=not (env.launcher_store or _store_apart()), launcher=env.launcher, **kwargs)
 
 
 def _store_apart() -> bool:
