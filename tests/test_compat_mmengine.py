@@ -8,6 +8,7 @@ from __future__ import annotations
 import inspect
 import os
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -107,6 +108,7 @@ def _refused_by_both(m: Any, rank: int, world: int) -> Any:  # every rank passes
     calls = {"all_reduce op": lambda: m.all_reduce(torch.ones(1), "avg"),
              "broadcast_object_list of a str": lambda: m.broadcast_object_list("foo"),
              "all_reduce_dict of a str": lambda: m.all_reduce_dict("foo"),
+             "all_reduce_dict of {}": lambda: m.all_reduce_dict({}),
              "collect_results device": lambda: m.collect_results([1], 2, device="tpu"),
              "collect_results gpu with tmpdir": lambda: m.collect_results([1], 2, device="gpu", tmpdir="x"),
              "cast_data_device out of another type": lambda: m.cast_data_device([torch.ones(1)], "cpu", out=()),
@@ -159,12 +161,23 @@ def test_compat_matches_mmengine_on_every_rank(gloo_results: list[dict[str, Any]
 
 SINGLE = {name: CASES[name] for name in ("all_reduce mean torch.int64", "all_reduce_dict mean (torch.int64,)",
                                          "all_reduce_params coalesce=True bucket=1 mean", "object collectives",
-                                         "sync_random_seed", "collect_results gpu", "refused by both")}
+                                         "sync_random_seed", "collect_results gpu", "refused by both",
+                                         "collect_results cpu padding dropped")}
 
 
-def test_compat_matches_mmengine_without_torch_distributed() -> None:
+TORCHRUN_RANK_1 = {"TORCHELASTIC_RUN_ID": "r", "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+                   "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+
+
+@pytest.mark.parametrize("started_by", ["python", "torchrun, before init_dist"])
+def test_compat_matches_mmengine_without_torch_distributed(monkeypatch: pytest.MonkeyPatch, started_by: str) -> None:
+    """mmengine answers as a world of one whenever torch.distributed is not initialized; under a
+    launcher, before init_dist, half of compat did and half raised CommunicatorStateError."""
     import torch.distributed as dist
 
+    if started_by != "python":
+        for var, value in TORCHRUN_RANK_1.items():
+            monkeypatch.setenv(var, value)
     assert not dist.is_initialized()
     assert compare(SINGLE, mmengine_dist, compat, 0, 1) == dict.fromkeys(SINGLE)
     assert (compat.get_dist_info(), compat.is_distributed(), compat.get_backend(), compat.get_local_group(),
@@ -186,6 +199,8 @@ def _refused_on_one_rank(comm: distcomm.Communicator) -> dict[str, Any]:
                                               AssertionError),
         "all_reduce_dict": raised_alike(lambda: compat.all_reduce_dict("foo" if r else {"x": torch.ones(1)}),
                                         AssertionError),
+        "all_reduce_dict empty": raised_alike(lambda: compat.all_reduce_dict({} if r else {"x": torch.ones(1)}),
+                                              ValueError),
         "all_reduce_dict values": raised_alike(
             lambda: compat.all_reduce_dict({"x": 1.0 if r else torch.ones(1)}), TypeError),
         "collect_results device": raised_alike(lambda: compat.collect_results([1], 2, "tpu" if r else "cpu"),
@@ -244,8 +259,62 @@ def test_init_dist_starts_from_the_launchers_variables(monkeypatch: pytest.Monke
 
 def test_before_init_dist_under_a_launcher_it_answers_as_mmengine(monkeypatch: pytest.MonkeyPatch) -> None:
     """mmengine answers (0, 1) until init_dist; distcomm's own helpers refuse a silent world of one."""
-    for var, value in {"TORCHELASTIC_RUN_ID": "r", "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+    for var, value in TORCHRUN_RANK_1.items():
         monkeypatch.setenv(var, value)
     assert (compat.get_dist_info(), compat.is_main_process(), compat.is_distributed()) == ((0, 1), True, False)
     assert compat.barrier() is None
+
+
+def _outside_cases(g: Any) -> dict[str, Case]:
+    """Calls over ``g`` (global ranks 0 and 1): on rank 2, outside it, torch's get_world_size is -1."""
+    def t(rank: int) -> torch.Tensor:
+        return torch.tensor([1.0, 2.0]) * (rank + 1)
+
+    def in_place(call: Callable[[Any, torch.Tensor], Any]) -> Case:
+        def case(m: Any, rank: int, world: int) -> Any:
+            data = t(rank)
+            return call(m, data), data
+        return case
+
+    def seed(m: Any, rank: int, world: int) -> Any:
+        np.random.seed(1234 + rank)
+        return m.sync_random_seed(g)
+
+    def items(m: Any, rank: int, world: int) -> Any:
+        data = [rank, "x"]
+        return m.broadcast_object_list(data, 1, g), data
+
+    def as_dict(m: Any, rank: int, world: int) -> Any:
+        data = {"a": t(rank), "b": torch.tensor([rank])}
+        return m.all_reduce_dict(data, "mean", g), data
+
+    return {
+        "all_reduce": in_place(lambda m, d: m.all_reduce(d, "sum", g)),
+        "all_reduce mean": in_place(lambda m, d: m.all_reduce(d, "mean", g)),
+        "broadcast": in_place(lambda m, d: m.broadcast(d, 1, g)),
+        "all_reduce_params": in_place(lambda m, d: m.all_reduce_params([d], group=g)),
+        "all_reduce_dict": as_dict,
+        "broadcast_object_list": items,
+        "barrier": lambda m, rank, world: m.barrier(g),
+        "all_gather_object": lambda m, rank, world: m.all_gather_object(rank, g),
+        "gather_object": lambda m, rank, world: m.gather_object(rank, 0, g),
+        "all_gather": lambda m, rank, world: m.all_gather(t(rank), g),
+        "gather": lambda m, rank, world: m.gather(t(rank), 0, g),
+        "sync_random_seed": seed,
+        "who": lambda m, rank, world: (m.get_dist_info(g), m.is_main_process(g), m.get_backend(g)),
+    }
+
+
+def _outside_a_group(comm: distcomm.Communicator) -> dict[str, Any]:
+    import mmengine.dist
+    import torch.distributed as dist
+
+    g = dist.new_group([0, 1])
+    return compare(_outside_cases(g), mmengine.dist, compat, comm.rank, comm.world_size)
+
+
+def test_a_rank_outside_the_group_does_as_mmengine() -> None:
+    """torch's get_world_size(group) is -1 there: mmengine's in-place calls return, its object
+    calls return empty answers; compat raised "Invalid process group specified"."""
+    got = spawn(_outside_a_group, 3, timeout=240)
+    assert got == [dict.fromkeys(_outside_cases(None))] * 3
