@@ -253,8 +253,25 @@ def test_init_dist_starts_from_the_launchers_variables(monkeypatch: pytest.Monke
     compat.init_dist(launcher, backend="gloo", timeout=30)
     assert started == [("gloo", 30)] and dict(os.environ) == before
     assert compat.infer_launcher() == inferred
-    compat.init_dist(launcher, backend="gloo", port=29555)
-    assert os.environ["MASTER_PORT"] == "29555"
+    if launcher == "slurm":  # mmengine's _init_dist_slurm alone takes a port
+        compat.init_dist(launcher, backend="gloo", port=29555)
+        assert os.environ["MASTER_PORT"] == "29555"
+        return
+    # mmengine passes it on to init_process_group, which refuses it; under torchrun, writing it
+    # over the agent's MASTER_PORT left every rank waiting for the timeout
+    with pytest.raises(TypeError, match=f"init_dist\\('{launcher}'\\) takes no port"):
+        compat.init_dist(launcher, backend="gloo", port=29555)
+    assert dict(os.environ) == before and started == [("gloo", 30)]
+
+
+@pytest.mark.parametrize("kwarg", ["init_method", "world_size", "rank", "store", "group_name", "pg_options",
+                                   "device_id", "prot"])
+def test_init_dist_refuses_what_it_would_drop(monkeypatch: pytest.MonkeyPatch, kwarg: str) -> None:
+    """mmengine passes its other keyword arguments to init_process_group; distcomm starts from the
+    launcher's variables, and dropped them without a word."""
+    monkeypatch.setattr(compat, "from_env", lambda backend, timeout: pytest.fail("started"))
+    with pytest.raises(TypeError, match=f"init_dist takes timeout.*not {kwarg}="):
+        compat.init_dist("pytorch", backend="gloo", timeout=30, **{kwarg: 1})
 
 
 def test_before_init_dist_under_a_launcher_it_answers_as_mmengine(monkeypatch: pytest.MonkeyPatch) -> None:

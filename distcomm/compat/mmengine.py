@@ -244,10 +244,17 @@ def init_dist(launcher: str, backend: str = "nccl", init_backend: str = "torch",
             MASTER_ADDR / MASTER_PORT winning), so nothing is copied into ``os.environ``.
         backend: "nccl" or "gloo".
         init_backend: "torch" only (mmengine also takes "deepspeed" and "colossalai").
-        kwargs: ``timeout`` in seconds; ``port``, as mmengine takes it for "slurm": the rendezvous
-            port (written to MASTER_PORT, as mmengine does; else one derived from the job id).
+        kwargs: ``timeout`` in seconds (the rendezvous's and the collectives'); ``port`` for
+            "slurm" only, as mmengine takes it: the rendezvous port (written to MASTER_PORT, as
+            mmengine does; else one derived from the job id).
 
     As mmengine's, it makes "spawn" multiprocessing's start method when none is set.
+
+    Raises:
+        TypeError: ``port`` for "pytorch" or "mpi" (mmengine hands it to init_process_group, which
+            refuses it; under torchrun the agent's MASTER_PORT is the rendezvous port, and another
+            would leave every rank waiting), or another of init_process_group's arguments
+            (``init_method``, ``rank``, ``store``...), which the launcher's variables decide here.
     """
     timeout = kwargs.pop("timeout", None)
     if timeout is not None and not isinstance(timeout, (int, float, datetime.timedelta)):
@@ -260,9 +267,16 @@ def init_dist(launcher: str, backend: str = "nccl", init_backend: str = "torch",
         raise ValueError(f"distcomm's backends are 'nccl' and 'gloo', got {backend!r}")
     if launcher not in ("pytorch", "slurm", "mpi"):
         raise ValueError(f"Invalid launcher type: {launcher}")
+    port = kwargs.pop("port", None)
+    if port is not None and launcher != "slurm":
+        raise TypeError(f"init_dist({launcher!r}) takes no port: the rendezvous port is the launcher's MASTER_PORT "
+                        f"(torchrun's --master-port), as in mmengine, whose init_process_group refuses port=")
+    if kwargs:  # (mmengine passes them to init_process_group: dropping them would change the job unseen)
+        raise TypeError(f"init_dist takes timeout (and port for 'slurm'), not "
+                        f"{', '.join(f'{k}=' for k in sorted(kwargs))}: distcomm starts the job from the "
+                        f"launcher's variables (see distcomm.from_env)")
     if mp.get_start_method(allow_none=True) is None:
         mp.set_start_method("spawn")
-    port = kwargs.pop("port", None)
     if port is not None:
         os.environ["MASTER_PORT"] = str(port)
     from_env(backend, timeout=timeout)
