@@ -335,3 +335,56 @@ def test_a_rank_outside_the_group_does_as_mmengine() -> None:
     calls return empty answers; compat raised "Invalid process group specified"."""
     got = spawn(_outside_a_group, 3, timeout=240)
     assert got == [dict.fromkeys(_outside_cases(None))] * 3
+
+
+def test_install_puts_mmengines_own_calls_on_distcomm() -> None:
+    """The one-line swap reaches the job's own calls only: mmengine's sampler, evaluator and
+    master_only wrappers kept calling mmengine.dist (a world of one here, torch.distributed off)."""
+    import mmengine.dataset.sampler as sampler
+    import mmengine.dist.dist
+    import mmengine.dist.utils
+    import mmengine.evaluator.metric as metric
+
+    from distcomm.testing import FakeCommunicator
+
+    @mmengine_dist.master_only  # mmengine's wrapper, made before install()
+    def on_main() -> str:
+        return "ran"
+
+    originals = {name: getattr(mmengine_dist, name) for name in mmengine_dist.__all__}
+    fake = FakeCommunicator(1, 2)
+    uninstall = compat.install()
+    try:
+        assert compat.install() is uninstall
+        with distcomm.use(fake):
+            data = {"a": torch.tensor(1.0)}
+            got = (sampler.get_dist_info(), mmengine.dist.utils.get_world_size(), mmengine_dist.is_distributed(),
+                   mmengine_dist.all_gather_object("x"), metric.collect_results(["r"], 2), on_main(),
+                   mmengine.dist.dist.all_reduce_dict(data, "sum"), data["a"].item())
+        assert got == ((1, 2), 2, True, ["x", "x"], None, None, None, 2.0)
+        assert [c.op for c in fake.calls] == ["all_gather", "gather", "all_reduce"]
+        assert all(getattr(mmengine_dist, name) is getattr(compat, name) for name in mmengine_dist.__all__)
+    finally:
+        uninstall()
+    assert {name: getattr(mmengine_dist, name) for name in mmengine_dist.__all__} == originals
+    assert sampler.get_dist_info is originals["get_dist_info"] and metric.collect_results is originals[
+        "collect_results"] and mmengine.dist.utils.is_main_process is originals["is_main_process"]
+    with distcomm.use(fake):
+        assert sampler.get_dist_info() == (0, 1) and on_main() == "ran"  # mmengine's own again
+
+
+def test_install_reaches_modules_imported_afterwards() -> None:
+    """In a fresh interpreter: install() before mmengine's sampler and evaluator are imported."""
+    import subprocess
+    import sys
+
+    script = (
+        "import distcomm.compat.mmengine as dist\n"
+        "dist.install()\n"
+        "import mmengine.dataset.sampler as s, mmengine.evaluator.metric as m, mmengine.model.base_module as b\n"
+        "import mmengine.dist\n"
+        "assert s.get_dist_info is dist.get_dist_info and s.sync_random_seed is dist.sync_random_seed\n"
+        "assert m.collect_results is dist.collect_results and b.master_only is dist.master_only\n"
+        "assert mmengine.dist.init_dist is dist.init_dist\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

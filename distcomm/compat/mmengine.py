@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import datetime
 import functools
+import importlib
 import itertools
 import os
 import shutil
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
@@ -486,3 +488,29 @@ def barrier(group: Any = None) -> None:
     if get_world_size(group) <= 1:
         return
     communicator(group).synchronize()
+
+
+# ---------------------------------------------------------------------------------- the whole framework
+
+
+def install() -> Callable[[], None]:
+    """Put mmengine itself on distcomm: its Runner, samplers, hooks, evaluators, logger and
+    checkpoint code call ``mmengine.dist``'s functions by the names they imported, which the
+    one-line swap (``import distcomm.compat.mmengine as dist``) doesn't reach. After this, every
+    name of ``mmengine.dist.__all__`` is this module's, in ``mmengine.dist``, in the submodules
+    that define them (``mmengine.dist.dist``, ``mmengine.dist.utils``: they call each other there,
+    and mmengine's ``master_only`` wrappers ask for ``is_main_process`` there) and in every loaded
+    mmengine module that imported one by name; a module loaded later imports this module's.
+
+        import distcomm.compat.mmengine as dist
+        uninstall = dist.install()      # at the start of the script, before Runner.from_cfg(...)
+
+    Returns the function that puts mmengine's own functions back (a second call while installed
+    returns the same one). mmengine code that calls ``torch.distributed`` directly (its DDP
+    wrappers, ``SyncBuffersHook``'s buffers, ``get_device``) still needs torch.distributed's
+    default group: ``init_dist``, ``distcomm.launch()`` and ``spawn()`` set it up.
+    """
+    from ._install import swap
+
+    package = importlib.import_module("mmengine.dist")  # (imported here: distcomm doesn't need mmengine)
+    return swap("mmengine", package, sys.modules[__name__], __all__)
