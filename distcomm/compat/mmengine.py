@@ -9,7 +9,8 @@ truncated back into the integer tensor; ``group=`` is a torch process group, ``s
 ranks. Behind them, ``distcomm.current()`` (or a communicator over ``group``): objects travel
 through distcomm's pipeline, tensors through its checked tensor collectives, so a rank with a
 mismatched tensor or an unpicklable object makes every rank raise instead of hanging. What
-differs from mmengine: docs/migration.md.
+differs from mmengine: docs/migration.md. ``install()`` puts mmengine's own modules (its Runner,
+samplers, hooks, evaluators) on these functions too.
 """
 
 from __future__ import annotations
