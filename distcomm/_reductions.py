@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from ._communicator import Communicator
 
 __all__ = ["DICT_OPS", "as_tensors", "dict_op", "dict_problem", "dict_signature", "fold_payload", "reduce_dict",
-           "reduce_digest", "reduce_objects"]
+           "reduce_digest", "reduce_objects", "work_tensor"]
 
 
 def _work_dtype(values: Iterable[Any]) -> torch.dtype:
@@ -92,15 +92,20 @@ def dict_problem(input_dict: Mapping[Any, Any], op: str = "sum") -> tuple[list[A
     return names, None
 
 
-def dict_signature(d: Mapping[Any, Any]) -> tuple[list[Any], list[tuple[int, ...]], torch.dtype]:
-    """reduce_dict's sorted keys, each value's shape, and the dtype every rank reduces in."""
+def dict_signature(d: Mapping[Any, Any]) -> tuple[list[Any], list[tuple[int, ...]], torch.dtype, list[Any]]:
+    """reduce_dict's sorted keys, each value's shape, the dtype every rank reduces in, and the keys
+    whose values are uint64 where that dtype is int64 (their signedness: every rank must agree)."""
     names = sorted(d)
-    return names, [tuple(torch.as_tensor(d[k]).shape) for k in names], _work_dtype(d.values())
+    work_dtype = _work_dtype(d.values())
+    unsigned = [k for k in names if d[k].dtype == torch.uint64] if work_dtype == torch.int64 else []
+    return names, [tuple(torch.as_tensor(d[k]).shape) for k in names], work_dtype, unsigned
 
 
-def reduce_digest(names: Sequence[Any], shapes: Sequence[tuple[int, ...]], work_dtype: torch.dtype, op: str) -> int:
-    """The digest of reduce_dict's keys, shapes, reduce dtype and op, compared across ranks."""
-    return digest_of([*zip(names, shapes, strict=True), ("reduce dtype", str(work_dtype)), ("op", op)])
+def reduce_digest(names: Sequence[Any], shapes: Sequence[tuple[int, ...]], work_dtype: torch.dtype,
+                  unsigned: Sequence[Any], op: str) -> int:
+    """The digest of reduce_dict's keys, shapes, reduce dtype, uint64 keys and op, compared across ranks."""
+    return digest_of([*zip(names, shapes, strict=True), ("reduce dtype", str(work_dtype)), ("uint64", list(unsigned)),
+                      ("op", op)])
 
 
 def reduce_dict(comm: Communicator, input_dict: Mapping[Any, Any], op: str, dst: int | None,
@@ -122,14 +127,16 @@ def reduce_dict(comm: Communicator, input_dict: Mapping[Any, Any], op: str, dst:
     # Every rank reduces in the same dtype whatever its values' dtypes (int64 for dicts of integers,
     # exact; else float64, exact for float32 and for integers below 2**53; complex128 when the dicts
     # hold complex values), and the digest that the first exchange compares covers the keys, their
-    # shapes, that choice and the op.
+    # shapes, that choice, which keys are uint64 in int64 (read back by each rank with its own
+    # signedness, a key uint64 on some ranks only would give the ranks different results) and the op.
     shapes: list[tuple[int, ...]] = []
+    unsigned: list[Any] = []
     work_dtype, digest = torch.float64, 0  # with a problem every rank raises before the digests count
     if problem is None:
-        names, shapes, work_dtype = dict_signature(input_dict)
-        digest = reduce_digest(names, shapes, work_dtype, op)
+        names, shapes, work_dtype, unsigned = dict_signature(input_dict)
+        digest = reduce_digest(names, shapes, work_dtype, unsigned, op)
     # the dict rides along unserialized: the fake's scripted peers read it
-    mismatch = lambda: _key_mismatch(comm, names, shapes, work_dtype, op, t)  # noqa: E731 - error path only
+    mismatch = lambda: _key_mismatch(comm, names, shapes, work_dtype, unsigned, op, t)  # noqa: E731 - error path
     comm._run(CallSpec(call, -1 if dst is None else dst, input_dict, t, serialize=False, digest=digest,
                        problem=problem, on_digest_mismatch=mismatch))
     if not names:
@@ -162,12 +169,7 @@ def _reduced_values(comm: Communicator, call: Op, values: list[torch.Tensor], wo
                     dst: int | None, timeout: float | None) -> torch.Tensor | None:
     """The values, flattened end to end in ``work_dtype``, reduced across ranks in one native
     collective; None off the root of a reduce_dict."""
-    flat = [v.detach().reshape(-1).to(work_dtype) for v in values]
-    work = flat[0].clone() if len(flat) == 1 else torch.cat(flat)
-    # (only where the work is int64: a dict that also holds floats reduces in float64, unflipped)
-    unsigned = _unsigned_mask(values, work) if op in ("max", "min") and work.dtype == torch.int64 else None
-    if unsigned is not None:  # uint64 in int64 keeps sums exact, not order: flip the top bit, and back
-        work ^= unsigned
+    work = work_tensor(values, work_dtype, op)
     orig = work.device
     work = work.to(comm.device) if work.device != comm.device else work
     st = comm._stat(call)
@@ -180,40 +182,65 @@ def _reduced_values(comm: Communicator, call: Op, values: list[torch.Tensor], wo
     st.transfer_s += time.perf_counter() - t0
     if dst is not None and comm.rank != dst:
         return None
-    if unsigned is not None:
-        work ^= unsigned
-    if op == "mean":  # (a sum of integers is divided as float64)
-        work = work / comm.world_size if work.is_floating_point() or work.is_complex() else \
-            work.to(torch.float64) / comm.world_size
+    if work.dtype == torch.int64 and op in ("max", "min"):
+        work = work_tensor([work], torch.int64, op, _unsigned_elements(values))  # the top bits flipped back
+    if op == "mean":
+        work = _mean_of_halves(work, comm.world_size) if work.dtype == torch.int64 else work / comm.world_size
     return work.to(orig)
 
 
-def _unsigned_mask(values: list[torch.Tensor], work: torch.Tensor) -> torch.Tensor | None:
-    """For max and min in int64: the top bit set over the uint64 values' elements, whose order it
-    restores when xor-ed in (values of 2**63 and more wrap to negatives); None without uint64."""
+def work_tensor(values: list[torch.Tensor], work_dtype: torch.dtype, op: str,
+                unsigned: torch.Tensor | None = None) -> torch.Tensor:
+    """What reduce_dict's collective reduces: the values flattened end to end in ``work_dtype``. In
+    int64, where uint64 values wrap (2**63 and more read as negatives), for max and min their top
+    bit flipped (their order, restored by flipping it back), and for a mean every value as its high
+    and low 32 bits (the halves then sum exactly across up to 2**30 ranks, uint64 and int64 values
+    alike, where the sums of the values themselves wrap at 2**63). ``unsigned``: which elements are
+    uint64 (default: from the values' dtypes)."""
+    flat = [v.detach().reshape(-1).to(work_dtype) for v in values]
+    work = flat[0].clone() if len(flat) == 1 else torch.cat(flat)
+    if work.dtype != torch.int64 or op not in ("max", "min", "mean"):
+        return work
+    unsigned = _unsigned_elements(values) if unsigned is None else unsigned
+    if op != "mean":
+        return work if unsigned is None else work ^ torch.where(unsigned, -(2**63), 0)
+    high = work >> 32  # (arithmetic: an int64 value's sign; a uint64 value's top half wants the bits alone)
+    if unsigned is not None:
+        high = torch.where(unsigned, high & 0xFFFFFFFF, high)
+    return torch.cat([high, work & 0xFFFFFFFF])
+
+
+def _unsigned_elements(values: list[torch.Tensor]) -> torch.Tensor | None:
+    """Which elements of the values flattened end to end are uint64's; None where none is."""
     if not any(v.dtype == torch.uint64 for v in values):
         return None
-    mask = torch.zeros_like(work)
-    at = 0
-    for v in values:
-        if v.dtype == torch.uint64:
-            mask[at : at + v.numel()] = -(2**63)
-        at += v.numel()
-    return mask
+    return torch.cat([torch.full((v.numel(),), v.dtype == torch.uint64) for v in values])
+
+
+def _mean_of_halves(sums: torch.Tensor, world: int) -> torch.Tensor:
+    """The mean, in float64, of the values whose high and low halves ``work_tensor`` made and the
+    ranks summed: the sum's quotient by ``world`` computed in integers, so that only its conversion
+    to float64 and the remainder's fraction round (the sum itself may pass 2**64)."""
+    high, low = sums.chunk(2)
+    q_high = torch.div(high, world, rounding_mode="floor")
+    rest = (high - q_high * world) * 2**32 + low  # in [0, world * 2**33): no wrap below 2**30 ranks
+    q_low = torch.div(rest, world, rounding_mode="floor")
+    return q_high.to(torch.float64) * 2**32 + q_low.to(torch.float64) + (rest - q_low * world) / world
 
 
 def _key_mismatch(comm: Communicator, names: list[Any], shapes: list[tuple[int, ...]], work_dtype: torch.dtype,
-                  op: str, timeout: float | None) -> None:
-    """The digests differ: every rank's keys, shapes, kind of values and op, in one more exchange;
-    raises the error that names what differs first of the op, the keys, the shapes, the kinds."""
-    infos = comm._run(CallSpec(Op.KEYS, -1, ([repr(k) for k in names], shapes, str(work_dtype), op), timeout,
+                  unsigned: list[Any], op: str, timeout: float | None) -> None:
+    """The digests differ: every rank's keys, shapes, kind of values, uint64 keys and op, in one more
+    exchange; raises the error that names what differs first of the op, the keys, the shapes, the
+    kinds, the uint64 keys."""
+    infos = comm._run(CallSpec(Op.KEYS, -1, keys_info(names, shapes, work_dtype, unsigned, op), timeout,
                                stat=Op.REDUCE_DICT))
-    ops = [o for _, _, _, o in infos]
+    ops = [o for *_, o in infos]
     if len(set(ops)) > 1:
         rows = "\n".join(f"  rank {r}: op={o!r}" for r, o in enumerate(ops))
         raise CollectiveMismatchError(f"reduce_dict: the ranks asked for different reductions:\n{rows}",
                                       op="reduce_dict", ranks=odd_ones(ops))
-    everyone = [keys for keys, _, _, _ in infos]
+    everyone = [keys for keys, *_ in infos]
     union = sorted(set().union(*[set(ks) for ks in everyone]))
     lines = [f"  rank {r} lacks {', '.join(k for k in union if k not in ks)}"
              for r, ks in enumerate(everyone) if set(ks) != set(union)]
@@ -221,19 +248,38 @@ def _key_mismatch(comm: Communicator, names: list[Any], shapes: list[tuple[int, 
         raise CollectiveMismatchError(
             "reduce_dict: the ranks' dicts have different keys:\n" + "\n".join(lines),
             op="reduce_dict", ranks=[r for r, ks in enumerate(everyone) if set(ks) != set(union)])
-    table = [dict(zip(ks, map(tuple, shp), strict=True)) for ks, shp, _, _ in infos]
+    table = [dict(zip(ks, map(tuple, shp), strict=True)) for ks, shp, *_ in infos]
     odd_keys = [k for k in union if len({t[k] for t in table}) > 1]
     if odd_keys:
         lines = [f"  {k}: " + ", ".join(f"rank {r} {t[k]}" for r, t in enumerate(table)) for k in odd_keys]
         raise CollectiveMismatchError(
             "reduce_dict: a key's tensors have different shapes on different ranks:\n" + "\n".join(lines),
             op="reduce_dict", ranks=odd_ones([[t[k] for k in odd_keys] for t in table]))
-    kinds = [kind for _, _, kind, _ in infos]
+    kinds = [kind for _, _, kind, _, _ in infos]
+    if len(set(kinds)) == 1:  # then it is the uint64 keys
+        _raise_signedness_mismatch([set(u) for _, _, _, u, _ in infos], union)
     rows = "\n".join(f"  rank {r}: {_KINDS.get(kind, kind)}" for r, kind in enumerate(kinds))
     raise CollectiveMismatchError(
         f"reduce_dict: the ranks' dicts hold different kinds of values; every rank must pass the same "
         f"kinds (convert integers with .float() to reduce them with floats):\n{rows}", op="reduce_dict",
         ranks=odd_ones(kinds))
+
+
+def keys_info(names: list[Any], shapes: list[tuple[int, ...]], work_dtype: torch.dtype, unsigned: list[Any],
+              op: str) -> tuple[list[str], list[tuple[int, ...]], str, list[str], str]:
+    """What a rank tells the others when the reduce_dict digests differ: keys (as reprs), shapes,
+    reduce dtype, uint64 keys and op."""
+    return [repr(k) for k in names], shapes, str(work_dtype), [repr(k) for k in unsigned], op
+
+
+def _raise_signedness_mismatch(unsigned: list[set[str]], keys: list[str]) -> None:
+    odd = [k for k in keys if len({k in u for u in unsigned}) > 1]
+    lines = [f"  {k}: " + ", ".join(f"rank {r} {'uint64' if k in u else 'signed'}" for r, u in enumerate(unsigned))
+             for k in odd]
+    raise CollectiveMismatchError(
+        "reduce_dict: a key's values are uint64 on some ranks and of a signed integer dtype on others (reduced "
+        "in int64, each rank would read the result with its own signedness); pass one dtype on every rank:\n"
+        + "\n".join(lines), op="reduce_dict", ranks=odd_ones([[k in u for k in odd] for u in unsigned]))
 
 
 _KINDS = {"torch.int64": "only integer or bool values (reduced exactly, in int64)",

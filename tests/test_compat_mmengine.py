@@ -8,6 +8,7 @@ from __future__ import annotations
 import inspect
 import os
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -107,6 +108,7 @@ def _refused_by_both(m: Any, rank: int, world: int) -> Any:  # every rank passes
     calls = {"all_reduce op": lambda: m.all_reduce(torch.ones(1), "avg"),
              "broadcast_object_list of a str": lambda: m.broadcast_object_list("foo"),
              "all_reduce_dict of a str": lambda: m.all_reduce_dict("foo"),
+             "all_reduce_dict of {}": lambda: m.all_reduce_dict({}),
              "collect_results device": lambda: m.collect_results([1], 2, device="tpu"),
              "collect_results gpu with tmpdir": lambda: m.collect_results([1], 2, device="gpu", tmpdir="x"),
              "cast_data_device out of another type": lambda: m.cast_data_device([torch.ones(1)], "cpu", out=()),
@@ -159,12 +161,23 @@ def test_compat_matches_mmengine_on_every_rank(gloo_results: list[dict[str, Any]
 
 SINGLE = {name: CASES[name] for name in ("all_reduce mean torch.int64", "all_reduce_dict mean (torch.int64,)",
                                          "all_reduce_params coalesce=True bucket=1 mean", "object collectives",
-                                         "sync_random_seed", "collect_results gpu", "refused by both")}
+                                         "sync_random_seed", "collect_results gpu", "refused by both",
+                                         "collect_results cpu padding dropped")}
 
 
-def test_compat_matches_mmengine_without_torch_distributed() -> None:
+TORCHRUN_RANK_1 = {"TORCHELASTIC_RUN_ID": "r", "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+                   "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+
+
+@pytest.mark.parametrize("started_by", ["python", "torchrun, before init_dist"])
+def test_compat_matches_mmengine_without_torch_distributed(monkeypatch: pytest.MonkeyPatch, started_by: str) -> None:
+    """mmengine answers as a world of one whenever torch.distributed is not initialized; under a
+    launcher, before init_dist, half of compat did and half raised CommunicatorStateError."""
     import torch.distributed as dist
 
+    if started_by != "python":
+        for var, value in TORCHRUN_RANK_1.items():
+            monkeypatch.setenv(var, value)
     assert not dist.is_initialized()
     assert compare(SINGLE, mmengine_dist, compat, 0, 1) == dict.fromkeys(SINGLE)
     assert (compat.get_dist_info(), compat.is_distributed(), compat.get_backend(), compat.get_local_group(),
@@ -186,6 +199,8 @@ def _refused_on_one_rank(comm: distcomm.Communicator) -> dict[str, Any]:
                                               AssertionError),
         "all_reduce_dict": raised_alike(lambda: compat.all_reduce_dict("foo" if r else {"x": torch.ones(1)}),
                                         AssertionError),
+        "all_reduce_dict empty": raised_alike(lambda: compat.all_reduce_dict({} if r else {"x": torch.ones(1)}),
+                                              ValueError),
         "all_reduce_dict values": raised_alike(
             lambda: compat.all_reduce_dict({"x": 1.0 if r else torch.ones(1)}), TypeError),
         "collect_results device": raised_alike(lambda: compat.collect_results([1], 2, "tpu" if r else "cpu"),
@@ -238,14 +253,138 @@ def test_init_dist_starts_from_the_launchers_variables(monkeypatch: pytest.Monke
     compat.init_dist(launcher, backend="gloo", timeout=30)
     assert started == [("gloo", 30)] and dict(os.environ) == before
     assert compat.infer_launcher() == inferred
-    compat.init_dist(launcher, backend="gloo", port=29555)
-    assert os.environ["MASTER_PORT"] == "29555"
+    if launcher == "slurm":  # mmengine's _init_dist_slurm alone takes a port
+        compat.init_dist(launcher, backend="gloo", port=29555)
+        assert os.environ["MASTER_PORT"] == "29555"
+        return
+    # mmengine passes it on to init_process_group, which refuses it; under torchrun, writing it
+    # over the agent's MASTER_PORT left every rank waiting for the timeout
+    with pytest.raises(TypeError, match=f"init_dist\\('{launcher}'\\) takes no port"):
+        compat.init_dist(launcher, backend="gloo", port=29555)
+    assert dict(os.environ) == before and started == [("gloo", 30)]
+
+
+@pytest.mark.parametrize("kwarg", ["init_method", "world_size", "rank", "store", "group_name", "pg_options",
+                                   "device_id", "prot"])
+def test_init_dist_refuses_what_it_would_drop(monkeypatch: pytest.MonkeyPatch, kwarg: str) -> None:
+    """mmengine passes its other keyword arguments to init_process_group; distcomm starts from the
+    launcher's variables, and dropped them without a word."""
+    monkeypatch.setattr(compat, "from_env", lambda backend, timeout: pytest.fail("started"))
+    with pytest.raises(TypeError, match=f"init_dist takes timeout.*not {kwarg}="):
+        compat.init_dist("pytorch", backend="gloo", timeout=30, **{kwarg: 1})
 
 
 def test_before_init_dist_under_a_launcher_it_answers_as_mmengine(monkeypatch: pytest.MonkeyPatch) -> None:
     """mmengine answers (0, 1) until init_dist; distcomm's own helpers refuse a silent world of one."""
-    for var, value in {"TORCHELASTIC_RUN_ID": "r", "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+    for var, value in TORCHRUN_RANK_1.items():
         monkeypatch.setenv(var, value)
     assert (compat.get_dist_info(), compat.is_main_process(), compat.is_distributed()) == ((0, 1), True, False)
     assert compat.barrier() is None
+
+
+def _outside_cases(g: Any) -> dict[str, Case]:
+    """Calls over ``g`` (global ranks 0 and 1): on rank 2, outside it, torch's get_world_size is -1."""
+    def t(rank: int) -> torch.Tensor:
+        return torch.tensor([1.0, 2.0]) * (rank + 1)
+
+    def in_place(call: Callable[[Any, torch.Tensor], Any]) -> Case:
+        def case(m: Any, rank: int, world: int) -> Any:
+            data = t(rank)
+            return call(m, data), data
+        return case
+
+    def seed(m: Any, rank: int, world: int) -> Any:
+        np.random.seed(1234 + rank)
+        return m.sync_random_seed(g)
+
+    def items(m: Any, rank: int, world: int) -> Any:
+        data = [rank, "x"]
+        return m.broadcast_object_list(data, 1, g), data
+
+    def as_dict(m: Any, rank: int, world: int) -> Any:
+        data = {"a": t(rank), "b": torch.tensor([rank])}
+        return m.all_reduce_dict(data, "mean", g), data
+
+    return {
+        "all_reduce": in_place(lambda m, d: m.all_reduce(d, "sum", g)),
+        "all_reduce mean": in_place(lambda m, d: m.all_reduce(d, "mean", g)),
+        "broadcast": in_place(lambda m, d: m.broadcast(d, 1, g)),
+        "all_reduce_params": in_place(lambda m, d: m.all_reduce_params([d], group=g)),
+        "all_reduce_dict": as_dict,
+        "broadcast_object_list": items,
+        "barrier": lambda m, rank, world: m.barrier(g),
+        "all_gather_object": lambda m, rank, world: m.all_gather_object(rank, g),
+        "gather_object": lambda m, rank, world: m.gather_object(rank, 0, g),
+        "all_gather": lambda m, rank, world: m.all_gather(t(rank), g),
+        "gather": lambda m, rank, world: m.gather(t(rank), 0, g),
+        "sync_random_seed": seed,
+        "who": lambda m, rank, world: (m.get_dist_info(g), m.is_main_process(g), m.get_backend(g)),
+    }
+
+
+def _outside_a_group(comm: distcomm.Communicator) -> dict[str, Any]:
+    import mmengine.dist
+    import torch.distributed as dist
+
+    g = dist.new_group([0, 1])
+    return compare(_outside_cases(g), mmengine.dist, compat, comm.rank, comm.world_size)
+
+
+def test_a_rank_outside_the_group_does_as_mmengine() -> None:
+    """torch's get_world_size(group) is -1 there: mmengine's in-place calls return, its object
+    calls return empty answers; compat raised "Invalid process group specified"."""
+    got = spawn(_outside_a_group, 3, timeout=240)
+    assert got == [dict.fromkeys(_outside_cases(None))] * 3
+
+
+def test_install_puts_mmengines_own_calls_on_distcomm() -> None:
+    """The one-line swap reaches the job's own calls only: mmengine's sampler, evaluator and
+    master_only wrappers kept calling mmengine.dist (a world of one here, torch.distributed off)."""
+    import mmengine.dataset.sampler as sampler
+    import mmengine.dist.dist
+    import mmengine.dist.utils
+    import mmengine.evaluator.metric as metric
+
+    from distcomm.testing import FakeCommunicator
+
+    @mmengine_dist.master_only  # mmengine's wrapper, made before install()
+    def on_main() -> str:
+        return "ran"
+
+    originals = {name: getattr(mmengine_dist, name) for name in mmengine_dist.__all__}
+    fake = FakeCommunicator(1, 2)
+    uninstall = compat.install()
+    try:
+        assert compat.install() is uninstall
+        with distcomm.use(fake):
+            data = {"a": torch.tensor(1.0)}
+            got = (sampler.get_dist_info(), mmengine.dist.utils.get_world_size(), mmengine_dist.is_distributed(),
+                   mmengine_dist.all_gather_object("x"), metric.collect_results(["r"], 2), on_main(),
+                   mmengine.dist.dist.all_reduce_dict(data, "sum"), data["a"].item())
+        assert got == ((1, 2), 2, True, ["x", "x"], None, None, None, 2.0)
+        assert [c.op for c in fake.calls] == ["all_gather", "gather", "all_reduce"]
+        assert all(getattr(mmengine_dist, name) is getattr(compat, name) for name in mmengine_dist.__all__)
+    finally:
+        uninstall()
+    assert {name: getattr(mmengine_dist, name) for name in mmengine_dist.__all__} == originals
+    assert sampler.get_dist_info is originals["get_dist_info"] and metric.collect_results is originals[
+        "collect_results"] and mmengine.dist.utils.is_main_process is originals["is_main_process"]
+    with distcomm.use(fake):
+        assert sampler.get_dist_info() == (0, 1) and on_main() == "ran"  # mmengine's own again
+
+
+def test_install_reaches_modules_imported_afterwards() -> None:
+    """In a fresh interpreter: install() before mmengine's sampler and evaluator are imported."""
+    import subprocess
+    import sys
+
+    script = (
+        "import distcomm.compat.mmengine as dist\n"
+        "dist.install()\n"
+        "import mmengine.dataset.sampler as s, mmengine.evaluator.metric as m, mmengine.model.base_module as b\n"
+        "import mmengine.dist\n"
+        "assert s.get_dist_info is dist.get_dist_info and s.sync_random_seed is dist.sync_random_seed\n"
+        "assert m.collect_results is dist.collect_results and b.master_only is dist.master_only\n"
+        "assert mmengine.dist.init_dist is dist.init_dist\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

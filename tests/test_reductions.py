@@ -154,3 +154,51 @@ def test_an_average_of_integers_is_a_float_at_every_world_size(world: str) -> No
     want = str(torch.get_default_dtype())
     for dtypes in got:
         assert dtypes == [want, want, "torch.float64"] * 2, (world, dtypes)
+
+
+def _exact_means(comm: distcomm.Communicator) -> list[Any]:
+    r = comm.rank
+    d = {"u": torch.tensor([2**64 - 1, 2**63, 2**63 + 2 * r, 5 + r], dtype=torch.uint64),
+         "i": torch.tensor([2**62, -(2**63), 3 - 7 * r])}
+    return [comm.all_reduce_dict(d)[k].tolist() for k in ("u", "i")] + [comm.reduce_dict(d)["u"].tolist()]
+
+
+@pytest.mark.parametrize("world", ["gloo", "threaded", "fake"])
+def test_integer_means_are_exact_at_and_above_2_63(world: str) -> None:
+    """The sums wrapped in int64 (a uint64 mean came back negative), and an int64 sum past 2**63 too."""
+    if world == "fake":
+        def peers(op: str, rank: int, obj: Any) -> Any:  # rank 1's dict
+            return {"u": torch.tensor([2**64 - 1, 2**63, 2**63 + 2, 6], dtype=torch.uint64),
+                    "i": torch.tensor([2**62, -(2**63), -4])}
+        got = [_exact_means(FakeCommunicator(0, 2, peers=peers))]
+    else:
+        got = (spawn if world == "gloo" else run_threaded)(_exact_means, 2, timeout=120)
+
+    def as_default(x: list[float]) -> list[float]:  # the mean is in the default float dtype
+        return torch.tensor(x, dtype=torch.float64).to(torch.get_default_dtype()).tolist()
+
+    u, i = as_default([2**64 - 1, 2**63, 2**63 + 1, 5.5]), as_default([2**62, -(2**63), -0.5])
+    for rank, means in enumerate(got):
+        assert means == [u, i, u if rank == 0 else [2**64 - 1, 2**63, 2**63 + 2, 6]], (world, rank)
+
+
+def _signedness_differs(comm: distcomm.Communicator) -> list[str]:
+    value = torch.tensor([2**63, 1], dtype=torch.uint64) if comm.rank == 0 else torch.tensor([-1, 1])
+    out = []
+    for op in ("mean", "sum", "max"):
+        try:
+            comm.all_reduce_dict({"x": value, "n": torch.tensor(comm.rank)}, op=op)
+            out.append("returned")
+        except distcomm.CollectiveMismatchError as e:
+            out.append(str(e))
+    return out
+
+
+@pytest.mark.parametrize("world", ["gloo", "threaded"])
+def test_a_key_uint64_on_some_ranks_only_is_refused_on_every_rank(world: str) -> None:
+    """Reduced in int64 alike, each rank read the result with its own signedness (and flipped the
+    top bit for max and min on its own): the ranks got different results."""
+    got = (spawn if world == "gloo" else run_threaded)(_signedness_differs, 2, timeout=120)
+    assert got[0] == got[1]
+    for text in got[0]:
+        assert "uint64" in text and "'x'" in text and "rank 0" in text, text

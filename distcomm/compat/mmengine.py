@@ -9,16 +9,19 @@ truncated back into the integer tensor; ``group=`` is a torch process group, ``s
 ranks. Behind them, ``distcomm.current()`` (or a communicator over ``group``): objects travel
 through distcomm's pipeline, tensors through its checked tensor collectives, so a rank with a
 mismatched tensor or an unpicklable object makes every rank raise instead of hanging. What
-differs from mmengine: docs/migration.md.
+differs from mmengine: docs/migration.md. ``install()`` puts mmengine's own modules (its Runner,
+samplers, hooks, evaluators) on these functions too.
 """
 
 from __future__ import annotations
 
 import datetime
 import functools
+import importlib
 import itertools
 import os
 import shutil
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
@@ -99,6 +102,23 @@ def master_only(func: _F) -> _F:
         return func(*args, **kwargs) if is_main_process() else None
 
     return wrapper  # type: ignore[return-value]
+
+
+def _outside(group: Any) -> bool:
+    """Whether this rank is outside ``group``: torch's world size is -1 there, and mmengine's calls
+    over it return (in-place ones leaving the data as it was, ``all_gather_object`` an empty list)."""
+    return group is not None and get_world_size(group) < 0
+
+
+def _comm(group: Any) -> Communicator:
+    """The communicator of ``group``, or a world of one where mmengine answers as one: before
+    ``init_dist`` (no communicator, torch.distributed not initialized: also where a launcher
+    started this process, which ``distcomm.current()`` refuses) and on a rank outside ``group``."""
+    if _outside(group):
+        return LocalCommunicator()
+    if group is None and not is_distributed():
+        return active() or LocalCommunicator()  # (an installed LocalCommunicator, or a new one)
+    return communicator(group)
 
 
 def get_local_size() -> int:
@@ -227,10 +247,17 @@ def init_dist(launcher: str, backend: str = "nccl", init_backend: str = "torch",
             MASTER_ADDR / MASTER_PORT winning), so nothing is copied into ``os.environ``.
         backend: "nccl" or "gloo".
         init_backend: "torch" only (mmengine also takes "deepspeed" and "colossalai").
-        kwargs: ``timeout`` in seconds; ``port``, as mmengine takes it for "slurm": the rendezvous
-            port (written to MASTER_PORT, as mmengine does; else one derived from the job id).
+        kwargs: ``timeout`` in seconds (the rendezvous's and the collectives'); ``port`` for
+            "slurm" only, as mmengine takes it: the rendezvous port (written to MASTER_PORT, as
+            mmengine does; else one derived from the job id).
 
     As mmengine's, it makes "spawn" multiprocessing's start method when none is set.
+
+    Raises:
+        TypeError: ``port`` for "pytorch" or "mpi" (mmengine hands it to init_process_group, which
+            refuses it; under torchrun the agent's MASTER_PORT is the rendezvous port, and another
+            would leave every rank waiting), or another of init_process_group's arguments
+            (``init_method``, ``rank``, ``store``...), which the launcher's variables decide here.
     """
     timeout = kwargs.pop("timeout", None)
     if timeout is not None and not isinstance(timeout, (int, float, datetime.timedelta)):
@@ -243,9 +270,16 @@ def init_dist(launcher: str, backend: str = "nccl", init_backend: str = "torch",
         raise ValueError(f"distcomm's backends are 'nccl' and 'gloo', got {backend!r}")
     if launcher not in ("pytorch", "slurm", "mpi"):
         raise ValueError(f"Invalid launcher type: {launcher}")
+    port = kwargs.pop("port", None)
+    if port is not None and launcher != "slurm":
+        raise TypeError(f"init_dist({launcher!r}) takes no port: the rendezvous port is the launcher's MASTER_PORT "
+                        f"(torchrun's --master-port), as in mmengine, whose init_process_group refuses port=")
+    if kwargs:  # (mmengine passes them to init_process_group: dropping them would change the job unseen)
+        raise TypeError(f"init_dist takes timeout (and port for 'slurm'), not "
+                        f"{', '.join(f'{k}=' for k in sorted(kwargs))}: distcomm starts the job from the "
+                        f"launcher's variables (see distcomm.from_env)")
     if mp.get_start_method(allow_none=True) is None:
         mp.set_start_method("spawn")
-    port = kwargs.pop("port", None)
     if port is not None:
         os.environ["MASTER_PORT"] = str(port)
     from_env(backend, timeout=timeout)
@@ -279,8 +313,8 @@ def _all_reduce(comm: Communicator, data: torch.Tensor, name: str) -> None:
 
 def all_reduce(data: torch.Tensor, op: str = "sum", group: Any = None) -> None:
     """Reduce ``data`` across ranks, in place. ``op``: "sum", "mean", "product", "min", "max",
-    "band", "bor", "bxor" (any case) or torch's ReduceOp. Outside a distributed job: nothing."""
-    if get_world_size(group) == 1:
+    "band", "bor", "bxor" (any case) or torch's ReduceOp. Outside a distributed job or ``group``: nothing."""
+    if get_world_size(group) <= 1:
         return
     _all_reduce(communicator(group), data, _reduce_op(op))
 
@@ -306,8 +340,8 @@ def gather(data: torch.Tensor, dst: int = 0, group: Any = None) -> list[torch.Te
 
 
 def broadcast(data: torch.Tensor, src: int = 0, group: Any = None) -> None:
-    """Copy ``src``'s tensor (a global rank) into every rank's ``data``, in place."""
-    if get_world_size(group) == 1:
+    """Copy ``src``'s tensor (a global rank) into every rank's ``data``, in place (outside ``group``: nothing)."""
+    if get_world_size(group) <= 1:
         return
     communicator(group).broadcast_tensor(data, root_rank(group, src, None))
 
@@ -325,12 +359,15 @@ def sync_random_seed(group: Any = None) -> int:
 
 def all_reduce_dict(data: dict[Any, torch.Tensor], op: str = "sum", group: Any = None) -> None:
     """Reduce every value of ``data`` across ranks (the same keys and shapes on every rank); the
-    values are replaced in place by the reduced ones, in the dtype the values share."""
-    comm = communicator(group)
+    values are replaced in place by the reduced ones, in the dtype the values share. Outside
+    ``group``: nothing."""
+    comm = _comm(group)
     if not isinstance(data, dict):
         refuse(comm, Op.ALL_REDUCE, -1, AssertionError, f"data must be a dict, got {type(data).__name__}")
     if comm.world_size == 1:
         return
+    if not data:  # (mmengine's torch.cat of no tensors raises ValueError)
+        refuse(comm, Op.ALL_REDUCE, -1, ValueError, "torch.cat(): expected a non-empty list of Tensors")
     name = _reduce_op(op)
     keys = sorted(data)
     try:
@@ -365,8 +402,8 @@ def _buckets(tensors: list[torch.Tensor], bucket_size_mb: int) -> Iterable[list[
 def all_reduce_params(params: Iterable[torch.Tensor], coalesce: bool = True, bucket_size_mb: int = -1,
                       op: str = "sum", group: Any = None) -> None:
     """Reduce a model's parameters or buffers in place, one flat tensor per type (``coalesce``,
-    in buckets of ``bucket_size_mb``), else one by one. Outside a distributed job: nothing."""
-    if get_world_size(group) == 1:
+    in buckets of ``bucket_size_mb``), else one by one. Outside a distributed job or ``group``: nothing."""
+    if get_world_size(group) <= 1:
         return
     comm, name = communicator(group), _reduce_op(op)
     tensors = [p.data for p in params]
@@ -385,13 +422,17 @@ def all_reduce_params(params: Iterable[torch.Tensor], coalesce: bool = True, buc
 
 
 def all_gather_object(data: Any, group: Any = None) -> list[Any]:
-    """Every rank's object, by rank, on every rank (this rank's: ``data`` itself)."""
-    return communicator(group).all_gather(data)
+    """Every rank's object, by rank, on every rank (this rank's: ``data`` itself); ``[]`` outside ``group``."""
+    if _outside(group):
+        return []
+    return _comm(group).all_gather(data)
 
 
 def gather_object(data: Any, dst: int = 0, group: Any = None) -> list[Any] | None:
-    """Every rank's object, by rank, on ``dst`` (a global rank); None elsewhere."""
-    comm = communicator(group)
+    """Every rank's object, by rank, on ``dst`` (a global rank); None elsewhere (outside ``group`` too)."""
+    if _outside(group):
+        return None
+    comm = _comm(group)
     if comm.world_size == 1:  # (whatever ``dst``, as mmengine)
         return [data]
     root = root_rank(group, dst, None)
@@ -400,8 +441,9 @@ def gather_object(data: Any, dst: int = 0, group: Any = None) -> list[Any] | Non
 
 
 def broadcast_object_list(data: list[Any], src: int = 0, group: Any = None) -> None:
-    """Copy ``src``'s list items (a global rank) into every rank's ``data`` (as long), in place."""
-    comm = communicator(group)
+    """Copy ``src``'s list items (a global rank) into every rank's ``data`` (as long), in place
+    (outside ``group``: nothing)."""
+    comm = _comm(group)
     if not isinstance(data, list):
         refuse(comm, Op.BROADCAST, root_rank(group, src, None), AssertionError,
                f"data must be a list, got {type(data).__name__}")
@@ -415,7 +457,7 @@ def collect_results(results: list[Any], size: int, device: str = "cpu", tmpdir: 
     padding dropped); None on the other ranks. ``device`` ("cpu", "gpu", "npu") changes nothing:
     the results travel through the current communicator. ``tmpdir``, where given, is removed on
     rank 0 afterwards, as mmengine removes its scratch directory."""
-    comm = current()
+    comm = _comm(None)
     if device not in ("gpu", "cpu", "npu"):
         refuse(comm, Op.GATHER, 0, NotImplementedError, f"device must be 'cpu' , 'gpu' or 'npu', but got {device}")
     if device != "cpu" and tmpdir is not None:
@@ -442,7 +484,34 @@ def collect_results_gpu(result_part: list[Any], size: int) -> list[Any] | None:
 
 
 def barrier(group: Any = None) -> None:
-    """Wait for every rank of the current communicator (or ``group``). Outside a distributed job: nothing."""
-    if group is None and not is_distributed():
+    """Wait for every rank of the current communicator (or ``group``). Outside a distributed job or
+    ``group``: nothing."""
+    if get_world_size(group) <= 1:
         return
     communicator(group).synchronize()
+
+
+# ---------------------------------------------------------------------------------- the whole framework
+
+
+def install() -> Callable[[], None]:
+    """Put mmengine itself on distcomm: its Runner, samplers, hooks, evaluators, logger and
+    checkpoint code call ``mmengine.dist``'s functions by the names they imported, which the
+    one-line swap (``import distcomm.compat.mmengine as dist``) doesn't reach. After this, every
+    name of ``mmengine.dist.__all__`` is this module's, in ``mmengine.dist``, in the submodules
+    that define them (``mmengine.dist.dist``, ``mmengine.dist.utils``: they call each other there,
+    and mmengine's ``master_only`` wrappers ask for ``is_main_process`` there) and in every loaded
+    mmengine module that imported one by name; a module loaded later imports this module's.
+
+        import distcomm.compat.mmengine as dist
+        uninstall = dist.install()      # at the start of the script, before Runner.from_cfg(...)
+
+    Returns the function that puts mmengine's own functions back (a second call while installed
+    returns the same one). mmengine code that calls ``torch.distributed`` directly (its DDP
+    wrappers, ``SyncBuffersHook``'s buffers, ``get_device``) still needs torch.distributed's
+    default group: ``init_dist``, ``distcomm.launch()`` and ``spawn()`` set it up.
+    """
+    from ._install import swap
+
+    package = importlib.import_module("mmengine.dist")  # (imported here: distcomm doesn't need mmengine)
+    return swap("mmengine", package, sys.modules[__name__], __all__)

@@ -19,7 +19,16 @@ from .._communicator import COLLECTIVES, Communicator
 from .._messages import encode, parse
 from .._ops import fold_tensors, object_op, tensor_op
 from .._ordering import results_problem
-from .._reductions import as_tensors, dict_op, dict_problem, dict_signature, fold_payload, reduce_digest
+from .._reductions import (
+    as_tensors,
+    dict_op,
+    dict_problem,
+    dict_signature,
+    fold_payload,
+    keys_info,
+    reduce_digest,
+    work_tensor,
+)
 from .._routes import BROADCAST, GATHER, ROUTES, SCATTER, build_slot, over_max_bytes
 from .._routes.broadcast import received_from
 from .._routes.gather import subtrees, tree_gather_totals
@@ -251,8 +260,7 @@ class FakeCommunicator(Communicator):
         on an exchange of another collective's (the error path's, an object reduction's outcome)."""
         op, obj = spec.op, spec.obj
         if op is Op.KEYS:
-            names, shapes, work_dtype = dict_signature(self._peer_dicts[r])
-            return [repr(k) for k in names], shapes, str(work_dtype), self._dict_op()
+            return keys_info(*dict_signature(self._peer_dicts[r]), self._dict_op())
         if op is Op.TENSOR_INFO:
             theirs = self._peer_tensor(r, self._called[1]["tensor"])
             return str(theirs.dtype), tuple(theirs.shape), self._user_reduce_op()
@@ -394,8 +402,8 @@ class FakeCommunicator(Communicator):
 
     def _fold_dicts(self, tensor: torch.Tensor, dst: int | None, op: str) -> None:
         """reduce_dict's reduction: this rank's values (``tensor``) with the peers' dicts' values."""
-        values = [tensor if r == self._rank else torch.cat(
-            [torch.as_tensor(self._peer_dicts[r][k]).detach().reshape(-1) for k in self._names]).to(tensor)
+        values = [tensor if r == self._rank else work_tensor(
+            [torch.as_tensor(self._peer_dicts[r][k]) for k in self._names], tensor.dtype, self._dict_op()).to(tensor)
             for r in range(self._size)]
         if dst is None or dst == self._rank:
             tensor.copy_(fold_tensors(values, op))
