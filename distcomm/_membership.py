@@ -12,6 +12,7 @@ is waited for until the timeout.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import select
 import socket
@@ -79,6 +80,7 @@ class _KeepAlive:
         self._lock = threading.Lock()
         self._beat: _Beat | None = None
         self._thread: threading.Thread | None = None
+        self._ending = threading.Event()
 
     def follow(self, seat: Seat, host_pid: int | None) -> None:
         try:
@@ -97,6 +99,15 @@ class _KeepAlive:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="distcomm-keepalive", daemon=True)
                 self._thread.start()
+                atexit.register(self._end)
+
+    def _end(self) -> None:
+        """At exit, before the interpreter stops its daemon threads: one stopped inside a store call
+        is unwound through torch's C++ code, which aborts the process ("terminate called without an
+        active exception") after all its work is done."""
+        self._ending.set()
+        if self._thread is not None:
+            self._thread.join(BEAT_SECONDS + 5.0)
 
     def store_gone(self) -> bool:
         """Whether the store this process beats in has gone away (False when it isn't watched)."""
@@ -114,7 +125,7 @@ class _KeepAlive:
         self._beat = None
 
     def _run(self) -> None:
-        while True:
+        while not self._ending.is_set():
             with self._lock:
                 beat = self._beat
             if beat is not None and self.store_gone():
@@ -126,7 +137,7 @@ class _KeepAlive:
                     self._once(beat)
                 except Exception:  # noqa: S110 - gone between the look and the beat: the next look says
                     pass
-            time.sleep(BEAT_SECONDS)
+            self._ending.wait(BEAT_SECONDS)
 
     def _once(self, beat: _Beat) -> None:
         store = beat.store

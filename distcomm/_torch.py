@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
 import secrets
@@ -208,9 +209,18 @@ class _TorchCommunicator(Communicator):
                 "slot_bytes": self.slot_bytes, "receive_cuda_on": self.receive_cuda_on}
 
     def _abandon(self) -> None:
-        """Close over a failure: nothing waits for peers that may be gone (eager sends, pending calls)."""
+        """Close over a failure: nothing waits for peers that may be gone (eager sends, pending calls).
+
+        Its groups and their pending work are kept for the life of the process: a transport thread
+        may still wait on a dead peer's connection inside them, and tearing them down under it
+        aborts the process at exit ("terminate called without an active exception")."""
         with self._eager_lock:
+            held = [self._eager, self._group, self._obj_group, self._local_group, self._block_group,
+                    self._leader_group, list(self._owned), self._queues]
             self._eager = []
+        if self._owns_default and dist.is_initialized():
+            held.append(dist.distributed_c10d._get_default_group())
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(held))  # never freed, even at interpreter exit
         self._queues = Queues()
         self._children.clear()  # their groups go with the default group
         self.close()

@@ -192,7 +192,8 @@ def _judge(procs: dict[int, Any], replacements: dict[int, Any], kills: int, seed
         lines = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
         if p.returncode != 0 or not lines:
             out.wrong += 1
-            out.details.append(f"seed {seed} world {world}: {name} exited {p.returncode}: {stderr[-1500:]}")
+            out.details.append(f"seed {seed} world {world}: {name} exited {p.returncode} after saying {lines[-1:]}: "
+                               f"{stderr[-1500:]}")
             continue
         finals.append(lines[-1]["members"])
     if len({json.dumps(f) for f in finals}) > 1:
