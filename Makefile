@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.distcomm-installed
 
 .PHONY: help install demo test test-slow test-launchers test-all test-large test-gpu lint typecheck bench bench-full bench-tensors bench-wire \
-	bench-simulate clean
+	bench-simulate bench-recovery clean
 
 help:  ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
@@ -68,6 +68,9 @@ bench-tensors: $(STAMP)  ## tensor all_reduce and all_gather_tensor against torc
 
 bench-wire: $(STAMP)  ## bytes on the wire per rank, one network namespace per rank (needs root)
 	$(BIN)/python benchmarks/wire.py --world 8 16
+
+bench-recovery: $(STAMP)  ## time from a killed rank to the survivors' next collective: shrink vs a torchrun restart, 4 and 8 ranks
+	$(BIN)/python benchmarks/recovery.py
 
 bench-simulate: $(STAMP)  ## Python per rank per call against world size, up to 1,024 simulated ranks
 	$(BIN)/python benchmarks/simulate.py

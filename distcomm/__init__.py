@@ -64,6 +64,7 @@ from ._from_env import from_env
 from ._handles import Handle
 from ._launch import free_port, launch
 from ._local import LocalCommunicator
+from ._membership import Membership
 from ._serialization import PickleSerializer, SafeSerializer, Serializer
 from ._torch import GlooCommunicator, NcclCommunicator
 
@@ -74,7 +75,7 @@ __version__ = "0.1.0"
 for _cls in (Communicator, Handle, LocalCommunicator, GlooCommunicator, NcclCommunicator, OpStats, Serializer,
              PickleSerializer, SafeSerializer, DistCommError, CollectiveError, CollectiveMismatchError,
              CollectiveTimeoutError, CommunicatorStateError, FrameError, PayloadTooLargeError, PeerError,
-             RankFailedError, SerializationError, UnsafePayloadError):
+             RankFailedError, SerializationError, UnsafePayloadError, Membership):
     _cls.__module__ = __name__
 
 
@@ -98,6 +99,7 @@ __all__ = [
     "GlooCommunicator",
     "Handle",
     "LocalCommunicator",
+    "Membership",
     "NcclCommunicator",
     "OpStats",
     "PayloadTooLargeError",

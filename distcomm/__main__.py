@@ -13,6 +13,8 @@ import sys
 import threading
 from collections.abc import Sequence
 
+from ._rendezvous import serve_store
+
 __all__ = ["main"]
 
 
@@ -30,8 +32,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _store(port: int, world: int) -> int:
     """Serve a job's store on PORT until interrupted. Start the ranks with MASTER_ADDR=<this host>,
     MASTER_PORT=PORT and DISTCOMM_STORE=external: the store then outlives any of them."""
-    from ._rendezvous import serve_store
-
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -27,10 +27,9 @@ from ._rendezvous import Seat
 from ._waits import HOSTS_LOST, LOSS_SECONDS, alive, tcp_store
 
 if TYPE_CHECKING:
-    from ._communicator import Communicator
     from ._torch import _TorchCommunicator
 
-__all__ = ["BEAT_SECONDS", "LOSS_SECONDS", "Membership", "admit", "keep_alive", "shrink"]
+__all__ = ["BEAT_SECONDS", "LOSS_SECONDS", "Membership", "admission", "keep_alive", "survivors"]
 
 BEAT_SECONDS = 0.5
 """How often a process's keep-alive beat moves in the job's store."""
@@ -275,27 +274,22 @@ def let_in(seat: Seat, epoch: str, members: tuple[int, ...], newcomers: dict[int
 
 
 # ---------------------------------------------------------------- the two calls
-def shrink(comm: _TorchCommunicator, seconds: float | None) -> Communicator:
-    """``comm.shrink()``: see ``Communicator.shrink``."""
-    from ._start import start_seat
-
+def survivors(comm: _TorchCommunicator, seconds: float | None) -> tuple[Seat, tuple[int, ...]]:
+    """``comm.shrink()``'s agreement: the seat of the survivors' membership, and the job ranks lost.
+    ``comm`` is let go of first: its connections close, so ranks still waiting in the failed call
+    fail now too."""
     seat = _job_seat(comm, "shrink")
     members = comm.membership.job_ranks
     pids = {members[r]: pid for r, pid in comm._peer_pids.items()}
-    settings = comm._rebuild_settings()
-    comm._abandon()  # its connections close: ranks still waiting in the failed call fail now too
-    epoch, survivors = agree_on_survivors(seat, members, pids, _bounded(seconds))
-    lost = tuple(r for r in members if r not in survivors)
-    new = dataclasses.replace(seat, epoch=epoch, members=survivors, admitted=())
-    made: Communicator = start_seat(type(comm), new, lost=lost, **settings)
-    comm._successor = made
-    return made
+    comm._abandon()
+    epoch, alive = agree_on_survivors(seat, members, pids, _bounded(seconds))
+    lost = tuple(r for r in members if r not in alive)
+    return dataclasses.replace(seat, epoch=epoch, members=alive, admitted=()), lost
 
 
-def admit(comm: _TorchCommunicator, seconds: float | None) -> Communicator:
-    """``comm.admit()``: see ``Communicator.admit``."""
-    from ._start import start_seat
-
+def admission(comm: _TorchCommunicator, seconds: float | None) -> Seat | None:
+    """``comm.admit()``'s agreement (a collective): the seat of the membership with the newcomers
+    in, or None when no one waits. Rank 0 looks; every member gets its answer in one broadcast."""
     seat = _job_seat(comm, "admit")
     members = comm.membership.job_ranks
     decision: tuple[str, dict[int, str], dict[int, str]] | None = None
@@ -308,13 +302,8 @@ def admit(comm: _TorchCommunicator, seconds: float | None) -> Communicator:
     if comm.rank == 0 and (newcomers or refused):
         let_in(seat, epoch, everyone, newcomers, refused)
     if not newcomers:
-        return comm
-    settings = comm._rebuild_settings()
-    comm.close()
-    new = dataclasses.replace(seat, epoch=epoch, members=everyone, admitted=tuple(sorted(newcomers)))
-    made: Communicator = start_seat(type(comm), new, **settings)
-    comm._successor = made
-    return made
+        return None
+    return dataclasses.replace(seat, epoch=epoch, members=everyone, admitted=tuple(sorted(newcomers)))
 
 
 def _job_seat(comm: _TorchCommunicator, op: str) -> Seat:

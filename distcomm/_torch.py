@@ -43,7 +43,7 @@ from ._messages import settle_eager, settle_limit, torch_recv, torch_send
 from ._one_at_a_time import exclusive
 from ._rendezvous import Seat
 from ._serialization import Serializer
-from ._start import start_from
+from ._start import start_from, start_seat
 from ._waits import SLICE, fail, interrupted, process_id, timedelta_of, wait
 
 __all__ = ["GlooCommunicator", "NcclCommunicator"]
@@ -197,11 +197,22 @@ class _TorchCommunicator(Communicator):
     def shrink(self, *, timeout: float | datetime.timedelta | None = None) -> Communicator:
         if os.getpid() != self._pid:  # (a broken or closed one may shrink: that is what it is for)
             self._check_usable()
-        return _membership.shrink(self, self._op_timeout(timeout))
+        settings = self._rebuild_settings()
+        seat, lost = _membership.survivors(self, self._op_timeout(timeout))
+        return self._succeeded_by(start_seat(type(self), seat, lost=lost, **settings))
 
     def admit(self, *, timeout: float | datetime.timedelta | None = None) -> Communicator:
         self._check_usable()
-        return _membership.admit(self, self._op_timeout(timeout))
+        seat = _membership.admission(self, self._op_timeout(timeout))
+        if seat is None:
+            return self
+        settings = self._rebuild_settings()
+        self.close()
+        return self._succeeded_by(start_seat(type(self), seat, **settings))
+
+    def _succeeded_by(self, new: Communicator) -> Communicator:
+        self._successor = new  # use(self) follows it
+        return new
 
     def _rebuild_settings(self) -> dict[str, Any]:
         """What a communicator of a new membership takes over from this one."""

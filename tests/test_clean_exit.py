@@ -94,3 +94,47 @@ def test_a_job_that_destroys_the_group_the_helpers_adopted_exits_0(tmp_path: Pat
     """Exit code 3: the group outlived the exit handlers (an abort, 134, in about 1 run in 7)."""
     codes = _exit_codes(tmp_path / "job.py", ADOPTED, ranks=3)
     assert codes == {0: 3 * RUNS}, codes
+
+
+TORCHRUN_JOBS = {
+    "from_env, never closed": """
+        import distcomm
+        comm = distcomm.from_env(timeout=60)
+        assert comm.all_gather(comm.rank) == [0, 1]
+    """,
+    "compat.mmengine.init_dist, never closed": """
+        import distcomm.compat.mmengine as dist
+        dist.init_dist("pytorch", backend="gloo")
+        assert dist.all_gather_object(dist.get_rank()) == [0, 1]
+    """,
+    "an adopted group, never destroyed": """
+        import torch.distributed as torch_dist
+        import distcomm
+        torch_dist.init_process_group("gloo")
+        assert distcomm.all_gather(distcomm.get_rank()) == [0, 1]
+    """,
+    "launch() under torchrun": """
+        import distcomm
+        def main():
+            assert distcomm.all_gather(distcomm.get_rank()) == [0, 1]
+        if __name__ == "__main__":
+            distcomm.launch(main, 2)
+    """,
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("way", list(TORCHRUN_JOBS))
+def test_a_torchrun_job_never_closed_exits_0_every_time(tmp_path: Path, way: str) -> None:
+    """torchrun reports a job failed when a worker aborts at exit: 30 runs of each way a job starts."""
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(TORCHRUN_JOBS[way]))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    codes: collections.Counter[int] = collections.Counter()
+    for _ in range(30):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", str(distcomm.free_port()), str(script)]
+        codes[subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, timeout=120).returncode] += 1
+    assert codes == {0: 30}, codes

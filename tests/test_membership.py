@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 import distcomm
+import distcomm.testing
 from distcomm._rendezvous import meet
 
 WAIT = 120.0  # the bound on any one job here: a bug fails the test instead of hanging CI
@@ -421,3 +422,14 @@ def _raise_on_rank_1() -> None:
 def test_an_elastic_job_still_fails_on_a_rank_that_raises() -> None:
     with pytest.raises(distcomm.RankFailedError, match="rank 1 raised KeyError"):
         distcomm.launch(_raise_on_rank_1, 2, elastic=True, replacements=1, timeout=30)
+
+
+def test_doubles_lose_no_one() -> None:
+    """No rank of a LocalCommunicator, a threaded world or a fake can be lost: shrink() and admit()
+    give the communicator itself, as a real one that lost no one gives one of the same membership."""
+    local = distcomm.LocalCommunicator()
+    assert local.shrink() is local and local.admit() is local and local.membership.job_ranks == (0,)
+    fake = distcomm.testing.FakeCommunicator(rank=1, world_size=3)
+    assert fake.shrink() is fake and fake.membership == distcomm.Membership((0, 1, 2))
+    got = distcomm.testing.run_threaded(lambda c: (c.shrink() is c, c.admit() is c, c.membership.job_ranks), 2)
+    assert got == [(True, True, (0, 1))] * 2
