@@ -135,6 +135,8 @@ class Communicator(abc.ABC):
     """The dtypes a reduction takes (gloo's, which the test doubles share); other dtypes are refused
     on every rank before anything moves. Broadcasts and gathers carry any dtype."""
 
+    _closed_why = ""
+    """Why it was closed, where the user didn't close it (a shrink or admit of its job's communicator)."""
     _successor: Communicator | None = None
     """The communicator a ``shrink()`` or ``admit()`` of this one made: ``use(comm)`` then follows it."""
 
@@ -337,7 +339,7 @@ class Communicator(abc.ABC):
                 f"forked process {os.getpid()}: create a communicator in each process"
             )
         if self._closed:
-            raise CommunicatorStateError(f"{type(self).__name__} is closed")
+            raise CommunicatorStateError(f"{type(self).__name__} is closed{self._closed_why}")
         if self._broken is not None:
             raise CommunicatorStateError(
                 f"{type(self).__name__} can't be used after an earlier transport failure "

@@ -9,6 +9,7 @@ import secrets
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Literal
 
@@ -128,6 +129,7 @@ class _TorchCommunicator(Communicator):
         self._eager: list[Any] = []  # small sends posted without waiting (see _messages.torch_send)
         self._eager_lock = threading.Lock()
         self._eager_at_exit = False  # whether exit waits for them (registered with the first)
+        self._subs: weakref.WeakSet[_TorchCommunicator] = weakref.WeakSet()  # split from this one (_make_sub)
         rank = dist.get_rank(self._group)
         if rank < 0:
             raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the given group")
@@ -207,6 +209,7 @@ class _TorchCommunicator(Communicator):
         if seat is None:
             return self
         settings = self._rebuild_settings()
+        self._retire_subs("admit")
         self.close()
         return self._succeeded_by(start_seat(type(self), seat, **settings))
 
@@ -234,7 +237,16 @@ class _TorchCommunicator(Communicator):
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(held))  # never freed, even at interpreter exit
         self._queues = Queues()
         self._children.clear()  # their groups go with the default group
+        self._retire_subs("shrink")
         self.close()
+
+    def _retire_subs(self, by: str) -> None:
+        """Close the sub-communicators split from this one: their groups go with its default group."""
+        for sub in list(self._subs):
+            if not sub._closed:
+                sub._closed_why = f": the job's communicator it was split from was remade by {by}(); split the new one"
+                sub._abandon()
+        self._subs = weakref.WeakSet()
 
     # ------------------------------------------------------------------ set-up
     def _check_backend(self, backend: str) -> None:
@@ -678,6 +690,7 @@ class _TorchCommunicator(Communicator):
         sub._owned.insert(0, group)
         sub._store_by_rank0 = self._store_by_rank0
         sub._job_ranks = tuple(self.membership.job_ranks[r] for r in mine)
+        self._subs.add(sub)
         return sub
 
     def _refuse_misnamed(self, groups: list[list[int]], timeout: float | None) -> None:
@@ -801,6 +814,9 @@ class NcclCommunicator(_TorchCommunicator):
         if tensor.device != self._device:
             return f"tensor is on {tensor.device}, this NcclCommunicator's device is {self._device}"
         return None
+
+    def _rebuild_settings(self) -> dict[str, Any]:
+        return {**super()._rebuild_settings(), "device": self._device}
 
     def _sub_kwargs(self, timeout: float | None) -> dict[str, Any]:
         return {**self._sub_settings(timeout), "device": self._device}

@@ -196,19 +196,30 @@ NOBODY_LOST = """
     import distcomm
 
     comm = distcomm.from_env(timeout=60)
+    sub = comm.split(comm.rank % 2)
     comm.all_gather(0)
     new = comm.shrink()
+    try:
+        sub.all_gather(0)
+        retired = "usable"
+    except distcomm.CommunicatorStateError as e:
+        retired = str(e)
+    again = new.split(new.rank % 2).all_gather(new.rank)
     print(json.dumps({"members": new.membership.job_ranks, "lost": new.membership.lost,
-                      "gathered": new.all_gather(new.rank), "old_closed": comm._closed}), flush=True)
+                      "gathered": new.all_gather(new.rank), "old_closed": comm._closed, "sub": retired,
+                      "split_again": again}), flush=True)
     new.close()
 """
 
 
 def test_a_shrink_that_lost_no_one_keeps_every_rank(tmp_path: Path) -> None:
     _, procs = _job(tmp_path, NOBODY_LOST, 3)
-    for code, lines, err in _ended(procs).values():
+    for r, (code, lines, err) in _ended(procs).items():
         assert code == 0, err
-        assert lines == [{"members": [0, 1, 2], "lost": [], "gathered": [0, 1, 2], "old_closed": True}]
+        assert lines == [{"members": [0, 1, 2], "lost": [], "gathered": [0, 1, 2], "old_closed": True,
+                          "sub": "GlooCommunicator is closed: the job's communicator it was split from was remade "
+                                 "by shrink(); split the new one",
+                          "split_again": [0, 2] if r % 2 == 0 else [1]}], lines
 
 
 STORE_HOST_DIES = """

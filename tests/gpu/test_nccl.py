@@ -129,3 +129,26 @@ def test_from_env_under_torchrun_picks_nccl(tmp_path: Any) -> None:
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     lines = sorted(line for line in out.stdout.splitlines() if line.startswith("NCCL"))
     assert lines == sorted(f"NCCL NcclCommunicator torchrun cuda:{r} {float(sum(range(n)))}" for r in range(n))
+
+
+def test_a_shrink_that_lost_no_one_remakes_the_nccl_group(tmp_path: Any) -> None:
+    """shrink() and admit() on NCCL: the new membership's NCCL group made afresh on the same device
+    (one GPU: nobody can be lost; the kill tests of several ranks wait for a machine with two)."""
+    n = world()
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import torch, distcomm\n"
+        "comm = distcomm.from_env(timeout=120)\n"
+        "new = comm.shrink()\n"
+        "assert new.admit() is new\n"
+        "t = torch.full((4,), float(new.rank), device=new.device)\n"
+        "new.all_reduce(t)\n"
+        "print('SHRUNK', type(new).__name__, new.device, new.membership.job_ranks, float(t[0]), flush=True)\n"
+        "new.close()\n")
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--master-addr",
+                          "127.0.0.1", "--master-port", str(distcomm.free_port()), str(script)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    lines = sorted(line for line in out.stdout.splitlines() if line.startswith("SHRUNK"))
+    assert lines == sorted(f"SHRUNK NcclCommunicator cuda:{r} {tuple(range(n))} {float(sum(range(n)))}"
+                           for r in range(n))

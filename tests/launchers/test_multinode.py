@@ -104,3 +104,33 @@ def test_a_host_name_peers_cannot_reach_is_refused_at_once(nodes: list[str], scr
     result = run_on_hosts([(nodes[n], [sys.executable, str(scripts / "d2.py"), "2"], bare(n, 1))
                            for n in range(NODES)], scripts, timeout=60)
     assert result.stdout.count("launch() under slurm across machines: this host's name") == NODES
+
+
+RESTARTING = """
+import json, os, sys
+import distcomm
+
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+with distcomm.from_env(timeout=60) as comm, distcomm.use(comm):
+    gathered = distcomm.all_gather(comm.rank)
+    if attempt == 0 and comm.rank == 2:
+        sys.exit(3)  # one node's worker fails after set-up; its agent restarts it, the other node's its own
+    distcomm.synchronize()
+    info = {"rank": comm.rank, "world": comm.world_size, "local": [comm.local_rank, comm.local_size],
+            "launcher": comm.launcher, "gathered": gathered, "attempt": attempt}
+    print("WHO " + json.dumps(info), flush=True)
+"""
+
+
+def test_torchrun_multi_node_workers_meet_again_after_a_restart(nodes: list[str], scripts: Path) -> None:
+    """Each node's agent counts its own restarts: the workers meet in the store's rounds whatever they counted."""
+    (scripts / "restarting.py").write_text(RESTARTING)
+    port = str(distcomm.free_port())
+    cmds = [(nodes[n], [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(NODES), "--node-rank", str(n),
+                        "--nproc-per-node", str(PER_NODE), "--max-restarts", "2", "--master-addr", f"{SUBNET}.1",
+                        "--master-port", port, str(scripts / "restarting.py")], python_env(NIC))
+            for n in range(NODES)]
+    result = run_on_hosts(cmds, scripts)
+    said = ranks_said(result, WORLD)
+    _each_rank_saw_the_world(result)
+    assert all(s["attempt"] >= 1 for s in said), said
