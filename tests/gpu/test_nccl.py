@@ -123,10 +123,7 @@ def test_from_env_under_torchrun_picks_nccl(tmp_path: Any) -> None:
         "    t = torch.full((4,), float(comm.rank), device=comm.device)\n"
         "    comm.all_reduce(t)\n"
         "    print('NCCL', type(comm).__name__, comm.launcher, comm.device, float(t[0]), flush=True)\n")
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--master-addr",
-                          "127.0.0.1", "--master-port", str(distcomm.free_port()), str(script)],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    out = _torchrun(script, n)
     lines = sorted(line for line in out.stdout.splitlines() if line.startswith("NCCL"))
     assert lines == sorted(f"NCCL NcclCommunicator torchrun cuda:{r} {float(sum(range(n)))}" for r in range(n))
 
@@ -145,10 +142,16 @@ def test_a_shrink_that_lost_no_one_remakes_the_nccl_group(tmp_path: Any) -> None
         "new.all_reduce(t)\n"
         "print('SHRUNK', type(new).__name__, new.device, new.membership.job_ranks, float(t[0]), flush=True)\n"
         "new.close()\n")
+    out = _torchrun(script, n)
+    lines = sorted(line for line in out.stdout.splitlines() if line.startswith("SHRUNK"))
+    assert lines == sorted(f"SHRUNK NcclCommunicator cuda:{r} {tuple(range(n))} {float(sum(range(n)))}"
+                           for r in range(n))
+
+
+def _torchrun(script: Any, n: int) -> subprocess.CompletedProcess[str]:
+    """``script`` under torchrun with ``n`` processes on this machine; it must succeed."""
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--master-addr",
                           "127.0.0.1", "--master-port", str(distcomm.free_port()), str(script)],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    lines = sorted(line for line in out.stdout.splitlines() if line.startswith("SHRUNK"))
-    assert lines == sorted(f"SHRUNK NcclCommunicator cuda:{r} {tuple(range(n))} {float(sum(range(n)))}"
-                           for r in range(n))
+    return out
