@@ -34,6 +34,7 @@ __all__ = ["BEAT_SECONDS", "LOSS_SECONDS", "Membership", "admission", "keep_aliv
 BEAT_SECONDS = 0.5
 """How often a process's keep-alive beat moves in the job's store."""
 POLL_SECONDS = 0.05
+LEADER_POLL_SECONDS = 0.2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,15 +179,30 @@ def agree_on_survivors(seat: Seat, members: tuple[int, ...], pids: dict[int, int
 
 def _agree(seat: Seat, base: str, members: tuple[int, ...], pids: dict[int, int],
            deadline: float) -> tuple[str, tuple[int, ...]]:
+    """One round of agreement under ``base``: each member says it is here; one of them, the leader
+    (the first to come, or whoever finds the leader gone), looks at who is missing and proposes once
+    the rest are gone; the others only look for the decision and, each second, at the leader. So a
+    member makes a few store calls a second, and only the leader's grow with the world size."""
     job = _checked(seat)
-    job.set(f"{base}/here/{seat.job_rank}", seat.token)
+    me = seat.job_rank
+    job.set(f"{base}/here/{me}", seat.token)
     beats: dict[int, tuple[bytes, float]] = {}
+    next_look = 0.0
     while True:
         if keep_alive.store_gone():
             raise _store_lost(seat)
         try:
             if job.check([f"{base}/decision"]):
                 return _decision(job.get(f"{base}/decision").decode())
+            now = time.monotonic()
+            leader = int(job.compare_set(f"{base}/leader", "", str(me)))
+            if leader != me:
+                if now >= next_look:
+                    next_look = now + 1.0
+                    if _gone(job, leader, pids, beats):  # take over from a lost leader
+                        job.compare_set(f"{base}/leader", str(leader), str(me))
+                time.sleep(POLL_SECONDS)
+                continue
             present = tuple(r for r in members if job.check([f"{base}/here/{r}"]))
             waiting = [r for r in members if r not in present and not _gone(job, r, pids, beats)]
         except Exception as e:
@@ -194,7 +210,7 @@ def _agree(seat: Seat, base: str, members: tuple[int, ...], pids: dict[int, int]
         if not waiting or time.monotonic() > deadline:
             proposal = f"epoch-{job.add('epochs', 1)}:{','.join(map(str, present))}"
             return _decision(job.compare_set(f"{base}/decision", "", proposal).decode())
-        time.sleep(POLL_SECONDS)
+        time.sleep(LEADER_POLL_SECONDS)
 
 
 def _decision(text: str) -> tuple[str, tuple[int, ...]]:
@@ -205,7 +221,7 @@ def _decision(text: str) -> tuple[str, tuple[int, ...]]:
 def _gone(job: Any, rank: int, pids: dict[int, int], beats: dict[int, tuple[bytes, float]]) -> bool:
     """Whether job rank ``rank`` is gone: its process (where this machine sees it), or its beat."""
     pid = pids.get(rank)
-    if pid is not None and not alive(pid):
+    if (pid is not None and not alive(pid)) or rank in HOSTS_LOST:
         return True
     now = time.monotonic()
     beat = job.get(f"alive/{rank}") if job.check([f"alive/{rank}"]) else b""
@@ -229,7 +245,7 @@ def _store_lost(seat: Seat) -> PeerError:
         f"the job's store ({seat.where}) was lost: {host} is gone, and the survivors can no longer agree on who "
         f"is left. To outlive any rank, host the store apart: launch(..., elastic=True) serves it from the "
         f"launching process, and under other launchers DISTCOMM_STORE=external with MASTER_ADDR/MASTER_PORT "
-        f"naming a store you run (python -m distcomm.store --port PORT)", op="shrink", ranks=[0])
+        f"naming a store you run (python -m distcomm store --port PORT)", op="shrink", ranks=[0])
 
 
 # ---------------------------------------------------------------- admission
