@@ -165,6 +165,8 @@ def _plan(rng: random.Random, world: int) -> dict[int, dict[str, str]]:
         plan[ranks[1]] = {"KILL_AFTER": at}
     if world > 3 and rng.random() < 0.6:
         plan[ranks[2]] = {"KILL_IN": rng.choice(["shrink", "admit"])}
+    if world > 4:  # a second wave, once the first has been shrunk away
+        plan[ranks[3]] = {"KILL_AFTER": f"{float(at) + rng.uniform(2.0, 4.0):.3f}"}
     return plan
 
 
