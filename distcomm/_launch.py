@@ -333,13 +333,9 @@ def launch(
         replacements: with ``elastic``, how many lost processes are started again, in all; each
             waits in the rendezvous until the members ``comm.admit()`` it.
 
-    Under a launcher (torchrun, srun, mpirun; see ``from_env``) the launcher's world wins. If it
-    started ``num_processes_per_machine`` processes on this machine, ``main_func`` runs in this
-    process with the environment's communicator (its errors reach the launcher as they are). If it
-    started one process per machine (``srun --ntasks-per-node=1``), launch() starts this machine's
-    processes, with the machine count, this machine's rank and the rendezvous address from the
-    launcher (``dist_url`` is used only where ``num_machines`` > 1 says the caller computed it).
-    ``num_machines`` and ``machine_rank``, where given, must agree with the launcher.
+    Under a launcher (torchrun, srun, mpirun; see ``from_env``) the launcher's world wins: where it
+    started ``num_processes_per_machine`` processes here, ``main_func`` runs in this one; where it
+    started one per machine, launch() starts them, with the machines and the rendezvous it names.
 
     Raises:
         RankFailedError: a process raised (its rank and remote traceback are attached) or died.

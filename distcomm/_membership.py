@@ -306,7 +306,8 @@ def survivors(comm: _TorchCommunicator, seconds: float | None) -> tuple[Seat, tu
 def admission(comm: _TorchCommunicator, seconds: float | None) -> Seat | None:
     """``comm.admit()``'s agreement (a collective): the seat of the membership with the newcomers
     in, or None when no one waits. Rank 0 looks; every member gets its answer in one broadcast."""
-    seat = _job_seat(comm, "admit")
+    seat = comm._seat
+    assert seat is not None
     members = comm.membership.job_ranks
     decision: tuple[str, dict[int, str], dict[int, str]] | None = None
     if comm.rank == 0:
@@ -323,6 +324,7 @@ def admission(comm: _TorchCommunicator, seconds: float | None) -> Seat | None:
 
 
 def _job_seat(comm: _TorchCommunicator, op: str) -> Seat:
+    """The seat a job's communicator met the others at; refused on a sub-communicator."""
     seat = comm._seat
     if seat is None:
         raise CommunicatorStateError(

@@ -205,6 +205,8 @@ class _TorchCommunicator(Communicator):
 
     def admit(self, *, timeout: float | datetime.timedelta | None = None) -> Communicator:
         self._check_usable()
+        if self._seat is None:  # a sub-communicator: newcomers join the job's communicator, not this one
+            return self
         seat = _membership.admission(self, self._op_timeout(timeout))
         if seat is None:
             return self
