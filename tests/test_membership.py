@@ -168,8 +168,10 @@ SURVIVE = """
 """
 
 
-@pytest.mark.parametrize(("world", "victims", "where"), [(4, "2", "collective"), (4, "1", "slow"),
-                                                         (4, "3", "shrink"), (5, "1,3", "collective")])
+@pytest.mark.parametrize(("world", "victims", "where"), [
+    (4, "2", "collective"), pytest.param(4, "1", "slow", marks=pytest.mark.slow),
+    pytest.param(4, "3", "shrink", marks=pytest.mark.slow),
+    pytest.param(5, "1,3", "collective", marks=pytest.mark.slow)])
 def test_survivors_shrink_to_a_communicator_of_themselves(tmp_path: Path, world: int, victims: str,
                                                           where: str) -> None:
     _, procs = _job(tmp_path, SURVIVE, world, victims, where)
@@ -319,6 +321,7 @@ SOME_ADMIT = """
 """
 
 
+@pytest.mark.slow
 def test_admit_called_by_some_members_only_is_a_mismatch_on_every_rank(tmp_path: Path) -> None:
     _, procs = _job(tmp_path, SOME_ADMIT, 2)
     for code, lines, err in _ended(procs).values():
@@ -343,6 +346,7 @@ DUPLICATE = """
 """
 
 
+@pytest.mark.slow
 def test_a_newcomer_for_a_rank_that_is_alive_is_refused_naming_both(tmp_path: Path) -> None:
     port, procs = _job(tmp_path, DUPLICATE, 2)
     time.sleep(2.0)
@@ -405,6 +409,7 @@ def test_a_rank_that_raises_after_an_isend_does_not_hold_the_job(tmp_path: Path)
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "elastic_train.py"
 
 
+@pytest.mark.slow
 def test_the_elastic_example_outlives_a_killed_rank_and_admits_its_replacement() -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     out = subprocess.run([sys.executable, str(EXAMPLE), "--nproc", "4", "--steps", "80", "--kill-rank", "1",
@@ -430,6 +435,7 @@ def _raise_on_rank_1() -> None:
     comm.all_gather(0)
 
 
+@pytest.mark.slow
 def test_an_elastic_job_still_fails_on_a_rank_that_raises() -> None:
     with pytest.raises(distcomm.RankFailedError, match="rank 1 raised KeyError"):
         distcomm.launch(_raise_on_rank_1, 2, elastic=True, replacements=1, timeout=30)
