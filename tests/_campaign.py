@@ -35,8 +35,9 @@ RANK_PROGRAM = textwrap.dedent("""
     kill_after, kill_in = float(os.environ.get("KILL_AFTER", "-1")), os.environ.get("KILL_IN", "")
     comm = distcomm.from_env(timeout=60)
     die = lambda: os.kill(os.getpid(), signal.SIGKILL)
+    timer = threading.Timer(kill_after, die)
     if kill_after >= 0:
-        threading.Timer(kill_after, die).start()
+        timer.start()
 
     def first_member(comm):
         newcomers = set(comm.membership.admitted)
@@ -83,6 +84,7 @@ RANK_PROGRAM = textwrap.dedent("""
             if step < steps:
                 run(comm, step)
                 step += 1
+                time.sleep(0.01)  # the rest of a step: kills land inside the job, not after it
             if step % 25 == 0 or step >= steps:
                 if kill_in == "admit":
                     die()
@@ -101,6 +103,7 @@ RANK_PROGRAM = textwrap.dedent("""
                 die()
             comm, shrinks = comm.shrink(), shrinks + 1
             step = agree_on_step(comm, step)
+    timer.cancel()  # a kill after the job's end would leave its replacement nothing to join
     final = comm.all_gather(list(comm.membership.job_ranks))
     assert all(f == final[0] for f in final), final
     print(json.dumps({"members": list(comm.membership.job_ranks), "shrinks": shrinks, "admits": admits,

@@ -22,9 +22,10 @@ def test_a_few_jobs_survive_their_kills(tmp_path: Path, world: int, seed: int) -
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_the_kill_campaign(tmp_path: Path) -> None:
-    jobs = int(os.environ.get("DISTCOMM_CAMPAIGN_JOBS", "60"))
+    jobs = int(os.environ.get("DISTCOMM_CAMPAIGN_JOBS", "30"))
     total = Outcome()
     for i in range(jobs):
         total.add(run_job(tmp_path, 4 if i % 2 else 8, 1000 + i))
     print(f"kill campaign: {total.jobs} jobs, {total.kills} kills, {total.hangs} hangs, {total.wrong} wrong")
+    print("\n".join(total.details))
     assert total.hangs == 0 and total.wrong == 0, total.details
