@@ -17,8 +17,8 @@ median over the repetitions. Prints a markdown table (and writes benchmarks/out/
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -94,7 +94,8 @@ def _restart(work: Path, world: int) -> float:
 
 def _recovery(work: Path, outs: list[str]) -> float:
     killed = float((work / "killed").read_text())
-    after = [json.loads(line)["after"] for out in outs for line in out.splitlines() if line.startswith('{"after"')]
+    # (ranks that print at once may share a line of torchrun's output)
+    after = [float(m) for out in outs for m in re.findall(r'\{"after": ([0-9.]+)\}', out)]
     if not after:
         raise RuntimeError("no rank completed a collective after the kill")
     return max(after) - killed
@@ -105,7 +106,8 @@ def main() -> None:
     parser.add_argument("--world", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
-    rows = ["| world | shrink (distcomm) | torchrun restart from a checkpoint | restart / shrink |", "|---|---|---|---|"]
+    rows = ["| world | shrink (distcomm) | torchrun restart from a checkpoint | restart / shrink |",
+            "|---|---|---|---|"]
     for world in args.world:
         times: dict[str, list[float]] = {"shrink": [], "restart": []}
         for _ in range(args.reps):
