@@ -315,21 +315,26 @@ def _failed(comm: _TorchCommunicator, e: BaseException, what: str, peer: int, ti
     comm._mark_broken(f"{what}: {text[:160]}")
     make: Callable[..., CollectiveError] = CollectiveError
     if "timed out" in low or "timeout" in low:
-        raise CollectiveTimeoutError(f"{what} timed out after {timeout}s: {_peer_wait(comm, what, peer, timeout)} "
+        raise CollectiveTimeoutError(f"{what} timed out after {timeout}s: {_peer_wait(comm, what, peer, timeout)[1]} "
                                      f"(transport: {text})", op=what.split()[0], ranks=[peer]) from e
     if "closed" in low or "reset" in low or "broken pipe" in low or "connection" in low:
+        waited, said = _peer_wait(comm, what, peer, timeout)
+        if waited:  # the peer's own timeout fired first, and closed the pair's connection: not a lost peer
+            raise CollectiveTimeoutError(f"{what} timed out after {timeout}s: {said} (its timeout fired first; "
+                                         f"transport: {text})", op=what.split()[0], ranks=[peer]) from e
         make = PeerError
     raise make(f"{what} failed: lost rank {peer}? (transport: {text})" if make is PeerError
                else f"{what} failed in the transport: {text}", op=what.split()[0], ranks=[peer]) from e
 
 
-def _peer_wait(comm: _TorchCommunicator, what: str, peer: int, timeout: float | None) -> str:
-    """What ``peer`` was waiting for instead, from the job's store: each side of a timed-out message
-    writes what it waited for there and reads the other's (a pair may wait on different tags)."""
+def _peer_wait(comm: _TorchCommunicator, what: str, peer: int, timeout: float | None) -> tuple[bool, str]:
+    """Whether ``peer`` was waiting in a message of its own, and what it waited for, from the job's
+    store: each side of a failed message writes what it waited for there and reads the other's (a
+    pair may wait on different tags)."""
     sending = what.startswith("send")
     needed = f"rank {peer} didn't {'receive' if sending else 'send'} it"
     if comm._store is None or not comm._token:
-        return needed
+        return False, needed
     key = f"distcomm/{comm._token}/p2p/"
     try:
         comm._store.set(f"{key}{comm._rank}/{peer}", what)
@@ -338,7 +343,7 @@ def _peer_wait(comm: _TorchCommunicator, what: str, peer: int, timeout: float | 
             time.sleep(0.05)
         if comm._store.check([f"{key}{peer}/{comm._rank}"]):
             theirs = comm._store.get(f"{key}{peer}/{comm._rank}").decode("utf-8", "replace")
-            return f"{needed}; it was waiting in {theirs} (this rank: {what})"
+            return True, f"{needed}; it was waiting in {theirs} (this rank: {what})"
     except Exception:  # noqa: S110 - the store may be gone with its host: the plain message will do
         pass
-    return f"{needed} (it reported no wait on this rank)"
+    return False, f"{needed} (it reported no wait on this rank)"

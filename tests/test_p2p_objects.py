@@ -273,3 +273,22 @@ def test_the_last_eager_send_before_exit_arrives(tmp_path: Any) -> None:
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert "GOT {'final': 'metrics'}" in outs[1], outs
+
+
+def _crossed_tags_one_side_sooner(comm: distcomm.Communicator) -> Any:
+    big = np.zeros(1 << 20, np.uint8)
+    try:
+        if comm.rank == 0:
+            comm.send(big, 1, tag=5, timeout=2)  # gives up first, which closes the pair's connection
+            return "sent"
+        return comm.recv(0, tag=7, timeout=60)
+    except distcomm.DistCommError as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def test_a_peer_whose_timeout_fired_first_is_no_lost_peer() -> None:
+    """Its timeout closed the connection: the other side used to report a lost peer (PeerError)."""
+    sender, receiver = spawn(_crossed_tags_one_side_sooner, 2, timeout=120, reuse=False)
+    assert sender.startswith("CollectiveTimeoutError: send to rank 1 (tag 5) timed out after 2"), sender
+    assert receiver.startswith("CollectiveTimeoutError: recv from rank 0 (tag 7) timed out after 60"), receiver
+    assert "it was waiting in send to rank 1 (tag 5)" in receiver and "its timeout fired first" in receiver, receiver
