@@ -176,6 +176,7 @@ def hosts(n: int) -> Iterator[list[str]]:
             _ip("netns", "add", ns)
             made.append(ns)
             _ip("link", "add", f"{ns}h", "type", "veth", "peer", "name", "eth0", "netns", ns)
+            made.append(f"{ns}h")  # deleted by name: a namespace outlives its deletion while sockets in it linger
             _ip("link", "set", f"{ns}h", "master", f"{tag}br")
             _ip("link", "set", f"{ns}h", "up")
             _ip("-n", ns, "addr", "add", f"{SUBNET}.{i + 1}/24", "dev", "eth0")
@@ -184,7 +185,7 @@ def hosts(n: int) -> Iterator[list[str]]:
         yield names
     finally:
         for name in reversed(made):
-            kind = ["link", "del", name] if name.endswith("br") else ["netns", "del", name]
+            kind = ["link", "del", name] if name.endswith(("br", "h")) else ["netns", "del", name]
             subprocess.run(["ip", *kind], capture_output=True, timeout=30, check=False)
 
 

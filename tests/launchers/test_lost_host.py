@@ -80,10 +80,13 @@ def test_a_host_whose_link_is_cut_is_lost_within_the_keep_alive_bound(tmp_path: 
             cut = time.time()
             _ip("link", "set", f"{nodes[1]}h", "down")  # the second host's cable: no reset, nothing
             said = []
-            for p in procs[1:3]:
-                out, err = p.communicate(timeout=120)
-                assert p.returncode == 0, err[-3000:]
-                said.append(json.loads(out.strip().splitlines()[-1]))
+            try:
+                for p in procs[1:3]:
+                    out, err = p.communicate(timeout=120)
+                    assert p.returncode == 0, err[-3000:]
+                    said.append(json.loads(out.strip().splitlines()[-1]))
+            finally:
+                _ip("link", "set", f"{nodes[1]}h", "up")  # its connections then close as the test ends
     for s in said:
         assert s["members"] == [0, 1] and s["lost"] == [2, 3] and s["gathered"] == [0, 1], s
         assert "has not answered for 5 s" in s["error"] or "lost a peer" in s["error"], s
