@@ -200,8 +200,6 @@ HOSTS_LOST: list[int] = []
 def check_peers(comm: _TorchCommunicator, needed: Iterable[int], seen: dict[int, float]) -> None:
     """Raise PeerError for a peer this wait needs whose process has been gone for DEAD_GRACE, or
     for any member whose keep-alive stopped (its host is down or cut off: nothing resets its connections)."""
-    if HOSTS_LOST:
-        _host_lost(comm, HOSTS_LOST[0])
     now = time.monotonic()
     gone = []
     for r in needed:
@@ -209,6 +207,8 @@ def check_peers(comm: _TorchCommunicator, needed: Iterable[int], seen: dict[int,
         if pid is not None and not alive(pid):
             if now - seen.setdefault(r, now) >= DEAD_GRACE:
                 gone.append((r, pid))
+    if HOSTS_LOST and not gone:
+        gone = _host_lost(comm, HOSTS_LOST[0])  # (a process this machine sees is named by its pid)
     if gone:
         what = f"{comm._op_label} (call #{comm._seq})"
         names = ", ".join(f"rank {r} (pid {pid})" for r, pid in gone)
@@ -218,11 +218,16 @@ def check_peers(comm: _TorchCommunicator, needed: Iterable[int], seen: dict[int,
                         op=comm._op_label, ranks=[r for r, _ in gone])
 
 
-def _host_lost(comm: _TorchCommunicator, job_rank: int) -> None:
+def _host_lost(comm: _TorchCommunicator, job_rank: int) -> list[tuple[int, int]]:
+    """Raise PeerError for the member whose keep-alive stopped, unless it is no member (nothing to
+    do: []) or a process this machine sees has ended (its rank and pid, for the plainer message)."""
     job_ranks = comm.membership.job_ranks
     if job_rank not in job_ranks:
-        return
+        return []
     rank = job_ranks.index(job_rank)
+    pid = comm._peer_pids.get(rank)
+    if pid is not None and not alive(pid):
+        return [(rank, pid)]
     what = f"{comm._op_label} (call #{comm._seq})"
     comm._mark_broken(f"{what}: rank {rank}'s keep-alive stopped")
     raise PeerError(f"{what}: lost a peer: rank {rank} (job rank {job_rank}) has not answered for "
