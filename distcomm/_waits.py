@@ -235,9 +235,11 @@ def _host_lost(comm: _TorchCommunicator, job_rank: int) -> list[tuple[int, int]]
                     op=comm._op_label, ranks=[rank])
 
 
-LOSS_SECONDS = 5.0
-"""A keep-alive beat that has not moved for this long is a lost rank (its host is down or cut off):
-ten beats, so that a machine busy enough to starve the beat's thread for a few seconds isn't dropped."""
+LOSS_SECONDS = 30.0
+"""A keep-alive beat that has not moved for this long is a lost rank (its host is down or cut off).
+Sixty beats: a machine running many more ranks than cores starves a beat's thread for seconds (a
+33-rank world on 2 cores left one silent for over 5 s), and a rank declared lost ends the job's
+collectives, so a healthy one must never be."""
 
 
 def ask_store(comm: _TorchCommunicator, grace: float,

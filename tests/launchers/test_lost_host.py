@@ -25,7 +25,7 @@ JOB = textwrap.dedent("""
     import json, time
     import distcomm
 
-    comm = distcomm.from_env(timeout=120)
+    comm = distcomm.from_env(timeout=300)
     step = 0
     try:
         while True:
@@ -82,14 +82,14 @@ def test_a_host_whose_link_is_cut_is_lost_within_the_keep_alive_bound(tmp_path: 
             said = []
             try:
                 for p in procs[1:3]:
-                    out, err = p.communicate(timeout=120)
+                    out, err = p.communicate(timeout=240)
                     assert p.returncode == 0, err[-3000:]
                     said.append(json.loads(out.strip().splitlines()[-1]))
             finally:
                 _ip("link", "set", f"{nodes[1]}h", "up")  # its connections then close as the test ends
     for s in said:
         assert s["members"] == [0, 1] and s["lost"] == [2, 3] and s["gathered"] == [0, 1], s
-        assert "has not answered for 5 s" in s["error"] or "lost a peer" in s["error"], s
-        assert s["noticed"] - cut < 30, s  # the keep-alive bound and a slice, far below the 120 s timeout
+        assert "has not answered for 30 s" in s["error"] or "lost a peer" in s["error"], s
+        assert s["noticed"] - cut < 60, s  # the keep-alive bound and a slice, far below the 300 s timeout
     print(f"lost host: noticed after {max(s['noticed'] for s in said) - cut:.1f} s, "
           f"shrunk after {max(s['shrunk'] for s in said) - cut:.1f} s")
