@@ -164,10 +164,9 @@ def agree_on_survivors(seat: Seat, members: tuple[int, ...], pids: dict[int, int
 
     Repeated until a round of it finds everyone it agreed on: a rank that dies between the
     decision and the new group is then dropped too, and every survivor ends with the same answer."""
-    deadline = time.monotonic() + seconds
     base = f"{seat.epoch}/shrink"
-    while True:
-        epoch, survivors = _agree(seat, base, members, pids, deadline)
+    while True:  # each round its own bound: one that waited out a slow rank leaves the next none
+        epoch, survivors = _agree(seat, base, members, pids, time.monotonic() + seconds)
         if seat.job_rank not in survivors:
             raise CommunicatorStateError(
                 f"rank {members.index(seat.job_rank)} (job rank {seat.job_rank}) was left out of the shrink: the "
