@@ -113,6 +113,7 @@ def start_seat(cls: type[_TorchCommunicator], seat: Seat, *, timeout: float | da
     assert seconds is not None
     td = datetime.timedelta(seconds=seconds)
     rank, world = seat.rank, len(seat.members)
+    keep_alive.follow(seat)
     if cls.backend == "nccl":
         device = kwargs["device"]
         torch.cuda.set_device(device)
@@ -125,7 +126,7 @@ def start_seat(cls: type[_TorchCommunicator], seat: Seat, *, timeout: float | da
         comm._store_by_rank0 = seat.hosted and seat.members[0] == 0  # job rank 0 serves it, if still here
         comm._seat = seat
         comm._job_ranks, comm._lost, comm._admitted = seat.members, lost, seat.admitted
-        keep_alive.follow(seat, store_host_pid(comm))
+        keep_alive.watch_host(store_host_pid(comm))
         atexit.register(_close_at_exit, weakref.ref(comm))
         set_default(comm)  # every thread of the process sees it
         return comm

@@ -90,11 +90,15 @@ def alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    try:  # exited, not yet reaped by its parent
+    try:  # exiting (its sockets about to close), or exited and not yet reaped by its parent
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] != "Z"
-    except (OSError, IndexError):
+            fields = f.read().rpartition(")")[2].split()
+        return fields[0] != "Z" and not int(fields[6]) & _PF_EXITING
+    except (OSError, IndexError, ValueError):
         return True
+
+
+_PF_EXITING = 0x4  # the kernel's flag for a process inside exit(), in /proc/<pid>/stat
 
 
 # Waits longer than a slice look, between slices, at Ctrl-C and at the peers' processes. A
