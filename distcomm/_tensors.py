@@ -55,14 +55,15 @@ def tensor_fields(op: Op, tensor: Any, reduce_op: str | None, problem: str | Non
     if problem is not None:
         return 0, bytes(8)
     shape = tuple(tensor.shape)
+    where = tensor.device.type  # (an NCCL communicator moves CPU tensors over its gloo group)
     if op is Op.ALL_GATHER_TENSOR:
-        return _tensor_digest(tensor.dtype, shape[1:], reduce_op), I64.pack(shape[0] if shape else 1)
-    return _tensor_digest(tensor.dtype, shape, reduce_op), _ZERO_WORD
+        return _tensor_digest(tensor.dtype, shape[1:], reduce_op, where), I64.pack(shape[0] if shape else 1)
+    return _tensor_digest(tensor.dtype, shape, reduce_op, where), _ZERO_WORD
 
 
 @functools.lru_cache(maxsize=256)
-def _tensor_digest(dtype: torch.dtype, shape: tuple[int, ...], reduce_op: str | None) -> int:
-    return digest_of((str(dtype), shape, reduce_op))
+def _tensor_digest(dtype: torch.dtype, shape: tuple[int, ...], reduce_op: str | None, where: str) -> int:
+    return digest_of((str(dtype), shape, reduce_op, where))
 
 
 def tensor_input_problem(comm: Communicator, op: Op, tensor: Any, reduce_op: str | None) -> str | None:
@@ -190,18 +191,20 @@ def _check(comm: Communicator, op: Op, root: int, tensor: torch.Tensor, reduce_o
 
 
 def _mismatch(comm: Communicator, op: Op, tensor: torch.Tensor, reduce_op: str | None, timeout: float | None) -> None:
-    infos = comm._run(CallSpec(Op.TENSOR_INFO, -1, (str(tensor.dtype), tuple(tensor.shape), reduce_op), timeout,
-                               stat=op))
+    mine = (str(tensor.dtype), tuple(tensor.shape), reduce_op, tensor.device.type)
+    infos = comm._run(CallSpec(Op.TENSOR_INFO, -1, mine, timeout, stat=op))
     gathering = op is Op.ALL_GATHER_TENSOR
 
-    def key(info: tuple[str, tuple[int, ...], str | None]) -> Any:
-        return (info[0], tuple(info[1])[1:], info[2]) if gathering else info
+    def key(info: tuple[str, tuple[int, ...], str | None, str]) -> Any:
+        return (info[0], tuple(info[1])[1:], *info[2:]) if gathering else info
 
     odd = odd_ones([key(info) for info in infos])
+    places = len({info[3] for info in infos}) > 1
     rows = "\n".join(f"  rank {r}: {dtype} {tuple(shape)}" + (f" op={o!r}" if o else "")
-                     for r, (dtype, shape, o) in enumerate(infos))
+                     + (f" on {at}" if places else "") for r, (dtype, shape, o, at) in enumerate(infos))
     what = ("dtype and shape beyond the first dimension" if gathering else
             "dtype, shape and op" if reduce_op else "dtype and shape")
+    what += " on the same kind of device" if places else ""
     raise CollectiveMismatchError(
         f"{op.label}: the ranks' tensors differ; every rank must pass the same {what}:\n{rows}",
         op=op.label, ranks=odd)

@@ -628,8 +628,12 @@ class _TorchCommunicator(Communicator):
         st.transfer_s += time.perf_counter() - t0
         return out
 
+    def _tensor_group(self, tensor: torch.Tensor) -> Any:
+        """The process group that moves ``tensor``."""
+        return self._group
+
     def _tensor_reduce(self, tensor: torch.Tensor, dst: int | None, op: str, timeout: float | None) -> None:
-        g = self._group
+        g = self._tensor_group(tensor)
         if tensor.is_complex():  # a sum (the only complex reduction) of (re, im) pairs: NCCL has no complex types
             tensor = torch.view_as_real(tensor)
         if dst is None:
@@ -639,18 +643,19 @@ class _TorchCommunicator(Communicator):
 
     def _tensor_broadcast(self, tensor: torch.Tensor, src: int, timeout: float | None) -> None:
         opts = self._opts("BroadcastOptions", timeout, root=self._at(src))
-        self._native(self._group.broadcast, ([_as_carried(tensor)], opts), timeout)
+        self._native(self._tensor_group(tensor).broadcast, ([_as_carried(tensor)], opts), timeout)
 
     def _tensor_all_gather(self, out: torch.Tensor, tensor: torch.Tensor, rows: list[int],
                            timeout: float | None) -> None:
         out, tensor = _as_carried(out), _as_carried(tensor)
-        g, opts = self._group, self._opts("AllgatherOptions", timeout)
+        g, opts = self._tensor_group(tensor), self._opts("AllgatherOptions", timeout)
         even = rows.count(rows[0]) == len(rows)
         if even and self._to_group is None:
             self._native(g._allgather_base, (out, tensor, opts), timeout)
             return
         pieces = list(torch.split(out, rows))
-        if even or self._uneven_allgather:  # each group rank's rows into this communicator's place for them
+        # each group rank's rows into this communicator's place for them (gloo, CPU tensors included: even only)
+        if even or (self._uneven_allgather and g is self._group):
             self._native(g.allgather, ([[pieces[r] for r in self._from_group]], [tensor], opts), timeout)
             return
         # gloo's all-gather wants equal sizes: each rank's rows go straight to every peer instead
@@ -675,7 +680,7 @@ class _TorchCommunicator(Communicator):
             tensor = parts[self._from_group].reshape(tensor.shape)
         if tensor.is_complex():  # as in _tensor_reduce
             out, tensor = torch.view_as_real(out), torch.view_as_real(tensor)
-        self._native(self._group._reduce_scatter_base, (out, tensor, opts), timeout)
+        self._native(self._tensor_group(tensor)._reduce_scatter_base, (out, tensor, opts), timeout)
 
     # ------------------------------------------------------------------ sub-communicators
     def _make_sub(self, groups: list[list[int]], mine: list[int] | None, timeout: float | None) -> Communicator | None:
@@ -813,9 +818,13 @@ class NcclCommunicator(_TorchCommunicator):
     _agrees_by_reduction = True  # one NCCL all_reduce of 7 int64, not gloo's exchange, on the common path
 
     def _device_problem(self, tensor: torch.Tensor) -> str | None:
-        if tensor.device != self._device:
-            return f"tensor is on {tensor.device}, this NcclCommunicator's device is {self._device}"
+        if tensor.device != self._device and tensor.device.type != "cpu":
+            return f"tensor is on {tensor.device}, this NcclCommunicator's device is {self._device} (or the CPU)"
         return None
+
+    def _tensor_group(self, tensor: torch.Tensor) -> Any:
+        """CPU tensors travel over the gloo side group, as with torch's default group (cpu:gloo,cuda:nccl)."""
+        return self._obj_group if tensor.is_cpu else self._group
 
     def _rebuild_settings(self) -> dict[str, Any]:
         return {**super()._rebuild_settings(), "device": self._device}

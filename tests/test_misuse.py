@@ -155,3 +155,19 @@ def test_a_collective_keeps_nothing_of_the_users_objects() -> None:
         return all(r() is None for r in refs)
 
     assert run_threaded(call, 2) == [True, True]
+
+
+def _tensors_on_other_devices(comm: distcomm.Communicator) -> str:
+    t = torch.ones(2) if comm.rank == 0 else torch.ones(2, device="meta")
+    with pytest.raises(distcomm.CollectiveMismatchError) as info:
+        comm.all_reduce(t)
+    return str(info.value)
+
+
+def test_tensors_on_different_kinds_of_device_are_named_on_every_rank() -> None:
+    """An NcclCommunicator moves CPU tensors over gloo and CUDA ones over NCCL, so the kind of
+    device is checked with dtype and shape: here cpu against meta in the in-process world, whose
+    transport takes any device (GlooCommunicator refuses a meta tensor before the check)."""
+    messages = run_threaded(_tensors_on_other_devices, 2, timeout=60)
+    assert messages[0] == messages[1]
+    assert "on the same kind of device" in messages[0] and "rank 1: torch.float32 (2,) op='sum' on meta" in messages[0]

@@ -263,7 +263,7 @@ class FakeCommunicator(Communicator):
             return keys_info(*dict_signature(self._peer_dicts[r]), self._dict_op())
         if op is Op.TENSOR_INFO:
             theirs = self._peer_tensor(r, self._called[1]["tensor"])
-            return str(theirs.dtype), tuple(theirs.shape), self._user_reduce_op()
+            return str(theirs.dtype), tuple(theirs.shape), self._user_reduce_op(), theirs.device.type
         if op is Op.RESULT or op is Op.RESULTS:
             return self._fold_outcome(spec, r)
         if op is Op.GATHER and self._called[0] == "gather_in_order":

@@ -155,3 +155,45 @@ def _torchrun(script: Any, n: int) -> subprocess.CompletedProcess[str]:
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out
+
+
+def cpu_tensors_beside_cuda_ones(comm: distcomm.Communicator) -> dict[str, Any]:
+    """CPU tensors handed to an NcclCommunicator travel over its gloo side group (as with torch's
+    default group, cpu:gloo,cuda:nccl), beside CUDA tensors over NCCL, checked and unchecked."""
+    r, n, dev = comm.rank, comm.world_size, comm.device
+    out: dict[str, Any] = {}
+    counter = torch.tensor([r + 1], dtype=torch.int64)
+    comm.all_reduce(counter)
+    out["all_reduce"] = (counter.tolist(), str(counter.device))
+    fast = torch.ones(3)
+    comm.all_reduce(fast, check=False)
+    out["unchecked"] = fast.tolist()
+    mean = torch.full((2,), float(r))
+    comm.all_reduce(mean, "mean")
+    out["mean"] = mean.tolist()
+    gathered = comm.all_gather_tensor(torch.full((r + 1, 2), float(r)))  # uneven rows
+    out["gather"] = (gathered.shape[0], str(gathered.device))
+    b = torch.full((4,), float(r))
+    comm.broadcast_tensor(b, src=0)
+    out["broadcast"] = b.tolist()
+    scattered = comm.reduce_scatter_tensor(torch.ones(2 * n))
+    out["reduce_scatter"] = (scattered.tolist(), str(scattered.device))
+    on_gpu = torch.ones(2, device=dev)
+    comm.all_reduce(on_gpu)
+    out["cuda"] = (on_gpu.tolist(), str(on_gpu.device))
+    out["dict"] = {k: (float(v), str(v.device)) for k, v in comm.all_reduce_dict({"cpu": torch.tensor(1.0)},
+                                                                                  average=False).items()}
+    return out
+
+
+def test_nccl_takes_cpu_tensors_over_its_gloo_group() -> None:
+    n = world()
+    for out in spawn(cpu_tensors_beside_cuda_ones, n, backend="nccl", timeout=300):
+        assert out["all_reduce"] == ([n * (n + 1) // 2], "cpu")
+        assert out["unchecked"] == [float(n)] * 3
+        assert out["mean"] == [sum(range(n)) / n] * 2
+        assert out["gather"] == (n * (n + 1) // 2, "cpu")
+        assert out["broadcast"] == [0.0] * 4
+        assert out["reduce_scatter"] == ([float(n)] * 2, "cpu")
+        assert out["cuda"][0] == [float(n)] * 2 and out["cuda"][1].startswith("cuda")
+        assert out["dict"] == {"cpu": (float(n), "cpu")}
