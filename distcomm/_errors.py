@@ -22,6 +22,7 @@ This module imports nothing from the rest of the package, so every module can im
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 __all__ = [
@@ -108,3 +109,21 @@ class RankFailedError(DistCommError):
         self.exception = exception
         self.remote_traceback = remote_traceback
         self.errors = dict(errors or {})
+
+
+def transport_text(e: BaseException) -> str:
+    """The transport's message as one line: its first, without the C++ source location gloo and
+    torch put in front (``[.../pair.cc:553] Connection closed by peer ...``)."""
+    lines = str(e).strip().splitlines()
+    return _SOURCE_LOCATION.sub("", lines[0] if lines else type(e).__name__)
+
+
+def clipped(text: str, limit: int) -> str:
+    """``text`` cut at a word's end within ``limit`` characters (with an ellipsis), never inside a word."""
+    if len(text) <= limit:
+        return text
+    cut = text.rfind(" ", 0, limit - 1)
+    return text[: cut if cut > limit // 2 else limit - 1].rstrip(" ,;:") + "…"
+
+
+_SOURCE_LOCATION = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*")

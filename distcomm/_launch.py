@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 from ._communicator import DEFAULT_TIMEOUT
 from ._context import use
 from ._defaults import clear_default, set_default
-from ._errors import DistCommError, RankFailedError
+from ._errors import DistCommError, RankFailedError, clipped
 from ._from_env import machines_under, run_here
 from ._launchers import detect
 from ._local import LocalCommunicator
@@ -103,8 +103,7 @@ def describe(e: BaseException) -> str:
     first = lines[0] if lines else ""
     if first.endswith(":") and len(lines) > 1:  # "scatter #1 failed on rank 0:": the reason is below
         first += f" {lines[1]}" + (f" (and {len(lines) - 2} more lines)" if len(lines) > 2 else "")
-    if len(first) > _LONGEST:
-        first = first[: _LONGEST - 3] + "..."
+    first = clipped(first, _LONGEST)
     text = f"{type(e).__name__}: {first}" if first else type(e).__name__
     frame = _user_frame(e)
     if frame is not None:

@@ -36,6 +36,8 @@ from ._errors import (
     PayloadTooLargeError,
     PeerError,
     SerializationError,
+    clipped,
+    transport_text,
 )
 from ._handles import Handle, as_caller
 from ._memory import as_view, byte_tensor
@@ -310,9 +312,9 @@ def _failed(comm: _TorchCommunicator, e: BaseException, what: str, peer: int, ti
     """The transport's error as distcomm's; the pair's connection is gone, so is the communicator."""
     if isinstance(e, DistCommError):
         raise e
-    text = str(e).split("\n")[0][:200]
+    text = transport_text(e)
     low = text.lower()
-    comm._mark_broken(f"{what}: {text[:160]}")
+    comm._mark_broken(f"{what}: {clipped(text, 160)}")
     make: Callable[..., CollectiveError] = CollectiveError
     if "timed out" in low or "timeout" in low:
         raise CollectiveTimeoutError(f"{what} timed out after {timeout}s: {_peer_wait(comm, what, peer, timeout)[1]} "

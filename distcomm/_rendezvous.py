@@ -35,7 +35,7 @@ import torch
 
 from ._errors import CollectiveTimeoutError, CommunicatorStateError, DistCommError, PeerError
 
-__all__ = ["Seat", "meet", "parse_url", "serve_store", "unreachable_here"]
+__all__ = ["Seat", "meet", "parse_url", "serve_store", "unreachable_here", "unresolved"]
 
 POLL_FIRST, POLL_LAST = 0.01, 0.5
 """Seconds between looks at the store while a process waits for its round: soon at first (ranks
@@ -227,9 +227,8 @@ def _reach(host: str, port: int, rank: int, seconds: float, hosted: bool, where:
     deadline = time.monotonic() + seconds
     try:
         addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except OSError as e:
-        raise CommunicatorStateError(f"{where}: the host name {host!r} does not resolve on this machine ({e}); "
-                                     f"set MASTER_ADDR to a name or address every rank can resolve") from None
+    except OSError:
+        raise CommunicatorStateError(f"{where}: {unresolved(host)}") from None
     host_role = "its host (rank 0)" if hosted else "the launcher's store"
     reason = ""
     while True:
@@ -288,6 +287,16 @@ def _first_line(e: BaseException) -> str:
 
 def _c10d() -> Any:
     return torch._C._distributed_c10d
+
+
+def unresolved(host: str) -> str:
+    """Why ``host`` names no address here, or "" where it resolves."""
+    try:
+        socket.getaddrinfo(host.strip("[]"), None)
+        return ""
+    except OSError as e:
+        return (f"the host name {host!r} does not resolve on this machine ({e.strerror or e}); set MASTER_ADDR to a "
+                f"name or address every rank can resolve")
 
 
 def unreachable_here(master: str) -> str:

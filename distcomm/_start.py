@@ -27,7 +27,7 @@ from ._launchers import LaunchEnv
 from ._membership import keep_alive
 from ._memory import seconds as _seconds
 from ._messages import settle_limit
-from ._rendezvous import Seat, meet, parse_url, unreachable_here
+from ._rendezvous import Seat, meet, parse_url, unreachable_here, unresolved
 from ._waits import store_host_pid
 
 if TYPE_CHECKING:
@@ -57,9 +57,10 @@ def start_from(cls: type[_TorchCommunicator], env: LaunchEnv, *,
     if env.master_addr is None or (env.master_port is None and env.world_size > 1):
         raise CommunicatorStateError(f"{cls.__name__}.from_env(): {env.address_problem or 'set MASTER_PORT'}")
     spans_machines = env.local_size is not None and env.local_size < env.world_size
-    problem = unreachable_here(env.master_addr) if spans_machines else ""
+    problem = unresolved(env.master_addr) or (unreachable_here(env.master_addr) if spans_machines else "")
     if problem:  # refused before connecting: otherwise each of gloo's connections waits for the timeout
-        raise CommunicatorStateError(f"{cls.__name__}.from_env() under {env.launcher} across machines: {problem}")
+        where = " across machines" if spans_machines else ""
+        raise CommunicatorStateError(f"{cls.__name__}.from_env() under {env.launcher}{where}: {problem}")
     port = env.master_port or free_port()  # a world of one: any free port
     if env.node_rank is not None:
         kwargs.setdefault("machine", env.node_rank)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 from . import _frame
 from ._agreement import states_table
-from ._errors import CollectiveError, CollectiveTimeoutError, DistCommError, PeerError
+from ._errors import CollectiveError, CollectiveTimeoutError, DistCommError, PeerError, clipped, transport_text
 
 if TYPE_CHECKING:
     from ._torch import _TorchCommunicator
@@ -323,11 +323,11 @@ def store_host(comm: _TorchCommunicator) -> int | None:
 
 
 def fail(comm: _TorchCommunicator, exc: BaseException, timeout: float | None) -> NoReturn:
-    text = str(exc).split("\n")[0]
+    text = transport_text(exc)
     low = text.lower()
     seq = comm._seq
     what = f"{comm._op_label} (call #{seq})"
-    comm._mark_broken(f"{what}: {text[:160]}")
+    comm._mark_broken(f"{what}: {clipped(text, 160)}")
     grace = 2.0 if timeout is None else min(2.0, max(0.5, timeout / 4))
     closed = "closed" in low or "reset" in low or "broken pipe" in low or "connection" in low
     reported = ask_store(comm, grace, lost=closed)
@@ -345,15 +345,15 @@ def fail(comm: _TorchCommunicator, exc: BaseException, timeout: float | None) ->
     timed_out = "timed out" in low or "timeout" in low
     if timed_out and not ("closed by peer" in low and present is not None and not missing):
         raise CollectiveTimeoutError(
-            f"{what} timed out after {timeout}s waiting for its peers{who} (transport: {text[:200]}){table}",
+            f"{what} timed out after {timeout}s waiting for its peers{who} (transport: {text}){table}",
             ranks=missing) from exc
     if closed and present is not None and not missing:
         raise CollectiveTimeoutError(
             f"{what}: every rank reached it, but peers gave up (their timeout expired) before this "
-            f"rank arrived (transport: {text[:200]}){table}") from exc
+            f"rank arrived (transport: {text}){table}") from exc
     if closed:
         raise PeerError(
-            f"{what}: lost a peer (it exited or its connection closed){who} (transport: {text[:200]}){table}",
+            f"{what}: lost a peer (it exited or its connection closed){who} (transport: {text}){table}",
             ranks=missing) from exc
-    raise CollectiveError(f"{what} failed in the transport{who}: {text[:300]}{table}", op=comm._op_label,
+    raise CollectiveError(f"{what} failed in the transport{who}: {text}{table}", op=comm._op_label,
                           ranks=missing) from exc

@@ -150,3 +150,15 @@ def test_set_up_is_not_a_users_last_collective() -> None:
     collectives as the last one returned."""
     states = spawn(lambda comm: comm._state(), 2, timeout=60, reuse=False)  # a world that ran nothing yet
     assert states == ["not in a collective", "not in a collective"]
+
+
+def test_transport_text_is_whole_and_without_the_source_location() -> None:
+    from distcomm._errors import clipped, transport_text
+
+    gloo = RuntimeError("[/w/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                        "[127.0.0.1]:23246. This is typically caused by the peer exiting\nsecond line")
+    assert transport_text(gloo) == ("Connection closed by peer [127.0.0.1]:23246. This is typically caused by "
+                                    "the peer exiting")
+    assert clipped("short", 10) == "short"
+    cut = clipped("Connection closed by peer [127.0.0.1]:23246. This is typically caused", 40)
+    assert cut == "Connection closed by peer…" and len(cut) <= 40

@@ -450,3 +450,14 @@ def test_doubles_lose_no_one() -> None:
     assert fake.shrink() is fake and fake.membership == distcomm.Membership((0, 1, 2))
     got = distcomm.testing.run_threaded(lambda c: (c.shrink() is c, c.admit() is c, c.membership.job_ranks), 2)
     assert got == [(True, True, (0, 1))] * 2
+
+
+def test_from_env_names_a_master_addr_that_does_not_resolve(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Across machines, the name is looked up before gloo's interface is (which would blame it)."""
+    for name, value in {"MASTER_ADDR": "no-such-host.invalid", "MASTER_PORT": "29632", "RANK": "1",
+                        "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(distcomm.CommunicatorStateError) as info:
+        distcomm.GlooCommunicator.from_env(timeout=5)
+    assert "'no-such-host.invalid' does not resolve on this machine" in str(info.value)
+    assert "GLOO_SOCKET_IFNAME" not in str(info.value)
