@@ -1,19 +1,24 @@
 """The command line: ``python -m distcomm <command>`` (also the ``distcomm`` console script).
 
-``store``: serve a job's store from a process of its own, so that the job outlives any of its
-ranks (``comm.shrink()`` needs the store; where rank 0 serves it, it is lost with rank 0). Ranks
-find it with MASTER_ADDR / MASTER_PORT and ``DISTCOMM_STORE=external``.
+``env``    versions, devices, what the launcher detection reads, the interface gloo would use.
+``check``  every rank meets and every collective gives exact results; rank 0 prints a table.
+``bench``  object and tensor collectives over message sizes, beside torch's own API.
+``store``  serve a job's store from a process of its own, so the job outlives any of its ranks.
+
+``check`` and ``bench`` run under the job's launcher (``srun``, ``torchrun``, ``mpirun``: one
+process per rank) or, started by plain ``python``, in ``--nproc`` processes on this machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
+import tempfile
 import threading
-from collections.abc import Sequence
-
-from ._rendezvous import serve_store
+from collections.abc import Callable, Sequence
+from typing import Any
 
 __all__ = ["main"]
 
@@ -21,17 +26,141 @@ __all__ = ["main"]
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m distcomm", description="distcomm's command line")
     commands = parser.add_subparsers(dest="command", required=True, metavar="command")
+    env = commands.add_parser("env", help="versions, devices, launcher and network as this process sees them")
+    env.add_argument("--json", action="store_true", help="machine-readable output")
+    check = commands.add_parser("check", help="every rank meets and every collective gives exact results")
+    bench = commands.add_parser("bench", help="collectives over message sizes beside torch's own API")
+    for sub in (check, bench):
+        sub.add_argument("--nproc", type=int, default=None,
+                         help="processes to start on this machine (without a launcher; default 2)")
+        sub.add_argument("--backend", choices=("gloo", "nccl"), default=None,
+                         help="default: nccl where CUDA is available, else gloo")
+        sub.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the other ranks")
+    bench.add_argument("--sizes", default="1K,64K,1M,16M", help="bytes per rank, comma-separated (K, M, G)")
+    bench.add_argument("--plot", metavar="PNG", help="also draw time against size into this file")
     store = commands.add_parser("store", help="serve a job's store until interrupted (Ctrl-C, SIGTERM)",
                                 description=_store.__doc__)
     store.add_argument("--port", type=int, required=True, help="the port to listen on (the ranks' MASTER_PORT)")
     store.add_argument("--world-size", type=int, default=1, help="the job's ranks (informational)")
     args = parser.parse_args(argv)
-    return _store(args.port, args.world_size)
+    if args.command == "env":
+        from ._cli_env import print_environment
+
+        return print_environment(args.json)
+    if args.command == "store":
+        return _store(args.port, args.world_size)
+    if args.command == "check":
+        return _on_every_rank(parser, _check, (), args)
+    return _bench_command(parser, args)
+
+
+def _bench_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from ._cli_bench import check_memory, parse_size
+
+    try:
+        sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    except ValueError as e:
+        parser.error(str(e))
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401 - only asked whether it is there
+        except ImportError:
+            parser.error("--plot needs matplotlib (pip install matplotlib)")
+    world, local = _world(args.nproc)
+    if world < 2:
+        parser.error("bench compares collectives between ranks: run it under a launcher or with --nproc 2 or more")
+    try:
+        check_memory(sizes, world, local)
+    except ValueError as e:
+        parser.error(str(e))
+    return _on_every_rank(parser, _bench, (sizes, args.plot), args)
+
+
+def _world(nproc: int | None) -> tuple[int, int]:
+    """The job's world size and this machine's ranks: the launcher's, or ``--nproc`` processes here."""
+    from ._launchers import detect
+
+    found = detect()
+    if found.started_by_launcher:
+        return found.world_size, found.local_size or 1
+    return nproc or 2, nproc or 2
+
+
+def _on_every_rank(parser: argparse.ArgumentParser, fn: Callable[..., bool], fn_args: tuple[Any, ...],
+                   args: argparse.Namespace) -> int:
+    """Run ``fn(*fn_args)`` on every rank with its communicator installed; 0 if rank 0's returned True."""
+    import distcomm
+
+    from ._launchers import detect
+
+    found = detect()
+    if found.started_by_launcher:
+        if args.nproc is not None:
+            parser.error(f"{found.launcher} started this process: it sets the ranks, so drop --nproc")
+        backend = args.backend or ("nccl" if _cuda() else "gloo")
+        cls = distcomm.NcclCommunicator if backend == "nccl" else distcomm.GlooCommunicator
+        try:
+            comm = cls.from_env(timeout=args.timeout)
+        except distcomm.DistCommError as e:
+            print(f"PROBLEM (rank {found.rank}): {e}", file=sys.stderr, flush=True)
+            return 1
+        with comm, distcomm.use(comm):
+            ok = fn(*fn_args)
+        return 0 if ok or found.rank != 0 else 1
+    if args.nproc is not None and args.nproc < 1:
+        parser.error(f"--nproc must be 1 or more, got {args.nproc}")
+    with tempfile.TemporaryDirectory(prefix="distcomm-") as tmp:
+        verdict = os.path.join(tmp, "verdict")
+        try:
+            distcomm.launch(_rank_main, args.nproc or 2, args=(fn, fn_args, verdict), backend=args.backend,
+                            timeout=args.timeout)
+        except distcomm.DistCommError as e:
+            print(f"PROBLEM: {e}", file=sys.stderr, flush=True)
+            return 1
+        with open(verdict) as f:
+            return 0 if f.read() == "ok" else 1
+
+
+def _rank_main(fn: Callable[..., bool], fn_args: tuple[Any, ...], verdict: str) -> None:
+    ok = fn(*fn_args)
+    import distcomm
+
+    if distcomm.get_rank() == 0:
+        with open(verdict, "w") as f:
+            f.write("ok" if ok else "problem")
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _check() -> bool:
+    from ._cli_check import check_rank
+
+    return check_rank()
+
+
+def _bench(sizes: list[int], png: str | None) -> bool:
+    import distcomm
+
+    from ._cli_bench import bench_rank, plot, table
+
+    rows = bench_rank(sizes)
+    if distcomm.get_rank() == 0:
+        print(table(rows), flush=True)
+        if png:
+            plot(rows, png)
+            print(f"plot: {png}", flush=True)
+    return True
 
 
 def _store(port: int, world: int) -> int:
     """Serve a job's store on PORT until interrupted. Start the ranks with MASTER_ADDR=<this host>,
     MASTER_PORT=PORT and DISTCOMM_STORE=external: the store then outlives any of them."""
+    from ._rendezvous import serve_store
+
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
