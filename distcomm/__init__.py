@@ -7,9 +7,7 @@
 See the README and docs/ for the whole API, the trust model and the performance figures.
 """
 
-from __future__ import annotations
-
-from typing import Any as _Any
+from typing import Any as _Any  # (no __future__ import here: it would put `annotations` in the namespace)
 
 from ._api import (
     all_gather,
@@ -33,6 +31,7 @@ from ._api import (
     irecv,
     is_main_process,
     isend,
+    main_process_first,
     recv,
     reduce,
     reduce_dict,
@@ -41,6 +40,7 @@ from ._api import (
     scan,
     scatter,
     send,
+    shard,
     shared_random_seed,
     synchronize,
 )
@@ -135,6 +135,7 @@ __all__ = [
     "is_main_process",
     "isend",
     "launch",
+    "main_process_first",
     "recv",
     "reduce",
     "reduce_dict",
@@ -143,6 +144,7 @@ __all__ = [
     "scan",
     "scatter",
     "send",
+    "shard",
     "shared_random_seed",
     "synchronize",
     "use",

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from contextlib import AbstractContextManager
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,7 @@ __all__ = [
     "irecv",
     "is_main_process",
     "isend",
+    "main_process_first",
     "recv",
     "reduce",
     "reduce_dict",
@@ -48,6 +50,7 @@ __all__ = [
     "exscan",
     "scatter",
     "send",
+    "shard",
     "shared_random_seed",
     "synchronize",
 ]
@@ -142,6 +145,17 @@ def gather_in_order(results: Sequence[Any], size: int | None = None, sharding: s
                     group: Any = None) -> list[Any] | None:
     """Every rank's results on ``dst`` in dataset order; None elsewhere (see Communicator.gather_in_order)."""
     return _for_group(group).gather_in_order(results, size=size, sharding=sharding, dst=dst)  # type: ignore[arg-type]
+
+
+def shard(size: int, sharding: Literal["contiguous", "interleaved"] = "contiguous", group: Any = None) -> range:
+    """This rank's indices of a dataset of ``size`` items (see Communicator.shard)."""
+    return _for_group(group).shard(size, sharding=sharding)
+
+
+def main_process_first(local: bool = False, timeout: float | None = None,
+                       group: Any = None) -> AbstractContextManager[None]:
+    """A block that runs on the main process first, then on the others (see Communicator.main_process_first)."""
+    return _for_group(group).main_process_first(local=local, timeout=timeout)
 
 
 def gather(data: Any, dst: int = 0, group: Any = None) -> list[Any]:

@@ -20,6 +20,7 @@ import operator
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, Literal, ParamSpec, TypeVar, cast
 
 import numpy as np
@@ -29,6 +30,7 @@ from . import _frame
 from ._agreement import where
 from ._all_to_all import all_to_all, all_to_all_problem
 from ._calls import CallSpec, Op, OpStats
+from ._conveniences import main_process_first, print_main, shard
 from ._errors import CollectiveError, CommunicatorStateError
 from ._groups import dup, regroup_machines, split, sub_settings
 from ._handles import Handle, Queues, refuse_close
@@ -513,6 +515,25 @@ class Communicator(TransportHooks):
         self._check_usable()
         self._check_root("dst", dst)
         return gather_in_order(self, results, size, sharding, int(dst), self._op_timeout(timeout))
+
+    def shard(self, size: int, *, sharding: Literal["contiguous", "interleaved"] = "contiguous") -> range:
+        """This rank's indices of a dataset of ``size`` items: "contiguous" (one block, the blocks in
+        rank order, sizes differing by at most one) or "interleaved" (``rank, rank + world_size, ...``).
+        Every index is on exactly one rank; ``gather_in_order`` with the same ``sharding`` and ``size``
+        brings the results back in dataset order. No communication."""
+        return shard(self, size, sharding)
+
+    def main_process_first(self, *, local: bool = False,
+                           timeout: float | datetime.timedelta | None = None) -> AbstractContextManager[None]:
+        """A block that runs on rank 0 first (``local``: on local rank 0 of each machine), then on
+        the other ranks: a download or a cache one process builds and the others read. If it raises
+        on the main process, the others raise ``CollectiveError`` naming it instead of running it.
+        Every rank must enter it; ``timeout``: how long the others wait for the main one's block."""
+        return main_process_first(self, local, timeout)
+
+    def print(self, *objects: Any, **kwargs: Any) -> None:
+        """``print`` on the main process (rank 0) only: one copy of a message, not one per rank."""
+        print_main(self, *objects, **kwargs)
 
     def shared_random_seed(self, *, timeout: float | datetime.timedelta | None = None) -> int:
         """An int in [0, 2**31) that is the same on every rank (drawn by rank 0 from numpy's RNG)."""

@@ -1,7 +1,8 @@
-"""Distributed evaluation: each rank predicts on its shard, gather() brings the predictions to rank 0.
+"""Distributed evaluation: each rank predicts on its shard (comm.shard), gather_in_order() brings the
+predictions to rank 0 in dataset order.
 
-A second way keeps dataset order without sorting: each rank takes a contiguous block, exscan() gives
-its offset into the dataset, and all_gather_tensor() lays the blocks' scores end to end.
+A second way gives every rank the scores: each rank takes a contiguous block, exscan() gives its
+offset into the dataset, and all_gather_tensor() lays the blocks' scores end to end.
 
 Run it on 2 CPU processes:  python examples/evaluate.py --nproc 2
 """
@@ -30,12 +31,11 @@ def predict(indices: np.ndarray) -> list[dict[str, Any]]:
 
 
 def evaluate(comm: distcomm.Communicator) -> dict[str, float] | None:
-    shard = np.arange(NUM_SAMPLES)[comm.rank :: comm.world_size]  # uneven shards are fine
-    gathered = comm.gather(predict(shard), dst=0)
-    if not comm.is_main_process:
+    shard = comm.shard(NUM_SAMPLES, sharding="interleaved")  # rank r: r, r + world_size, ... (uneven is fine)
+    preds = comm.gather_in_order(predict(np.asarray(shard)), size=NUM_SAMPLES, sharding="interleaved")
+    if preds is None:  # not rank 0
         return None
-    preds = sorted((p for rank_preds in gathered for p in rank_preds), key=lambda p: p["id"])
-    assert [p["id"] for p in preds] == list(range(NUM_SAMPLES)), "every sample exactly once"
+    assert [p["id"] for p in preds] == list(range(NUM_SAMPLES)), "every sample exactly once, in dataset order"
     correct = sum(p["label"] == int(p["id"] % 3 == 0) for p in preds)
     return {"samples": float(len(preds)), "accuracy": correct / len(preds)}
 
@@ -57,10 +57,11 @@ def _run() -> None:
     if result is not None:
         sizes = [len(range(r, NUM_SAMPLES, comm.world_size)) for r in range(comm.world_size)]
         print(f"evaluated {int(result['samples'])} samples on {comm.world_size} process(es) "
-              f"(shards {sizes}); gathered on rank 0: accuracy = {result['accuracy']:.4f}")
-        st = comm.stats["gather"]
-        print(f"gather on rank 0: {st.bytes_received} bytes received; serialize {st.serialize_s * 1e3:.2f} ms, "
-              f"transfer {st.transfer_s * 1e3:.2f} ms, deserialize {st.deserialize_s * 1e3:.2f} ms")
+              f"(shards {sizes}); gathered on rank 0 in dataset order: accuracy = {result['accuracy']:.4f}")
+        st = comm.stats["gather_in_order"]
+        print(f"gather_in_order on rank 0: {st.bytes_received} bytes received; "
+              f"serialize {st.serialize_s * 1e3:.2f} ms, transfer {st.transfer_s * 1e3:.2f} ms, "
+              f"deserialize {st.deserialize_s * 1e3:.2f} ms")
         print(f"all_gather_tensor: {ordered.numel()} scores in dataset order on every rank, "
               f"mean score {float(ordered.mean()):.4f}")
 
