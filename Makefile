@@ -4,6 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
+RUNTIME := $(VENV)/.distcomm-runtime
 STAMP := $(VENV)/.distcomm-installed
 
 .PHONY: help install demo test test-slow test-launchers test-all test-large test-gpu lint typecheck bench bench-full bench-tensors bench-wire \
@@ -12,21 +13,28 @@ STAMP := $(VENV)/.distcomm-installed
 help:  ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
 
-$(STAMP): pyproject.toml Makefile
-	@echo "==> set-up, once: a virtual environment in $(VENV) (about 1-2 minutes in all)"
+# What the demo runs: torch, numpy, cloudpickle and distcomm itself.
+$(RUNTIME): pyproject.toml Makefile
+	@echo "==> set-up, once: a virtual environment in $(VENV) (about a minute)"
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@echo "==> [1/3] upgrading pip"
 	@$(BIN)/python -m pip install -q --upgrade pip
 	@echo "==> [2/3] installing $(TORCH_SPEC) (the CPU build: the largest step, about a minute)"
 	@$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	@echo "==> [3/3] installing distcomm (editable) and its dev tools: pytest, ruff, mypy, hypothesis, matplotlib"
-	@PYTHONWARNINGS=ignore $(BIN)/python -m pip install -q -e ".[dev]"  # quiet the build backend's notices
-	@touch $(STAMP)
+	@echo "==> [3/3] installing distcomm (editable) with numpy and cloudpickle"
+	@PYTHONWARNINGS=ignore $(BIN)/python -m pip install -q -e .  # quiet the build backend's notices
+	@touch $(RUNTIME)
 	@echo "==> set-up done"
+
+# The tests' and the house's tools on top: pytest, ruff, mypy, hypothesis, matplotlib, mmengine-lite.
+$(STAMP): $(RUNTIME)
+	@echo "==> installing the dev tools: pytest, ruff, mypy, hypothesis, matplotlib, mmengine-lite"
+	@PYTHONWARNINGS=ignore $(BIN)/python -m pip install -q -e ".[dev]"
+	@touch $(STAMP)
 
 install: $(STAMP)  ## create .venv and install distcomm with its dev tools
 
-demo: $(STAMP)  ## the example training and evaluation jobs on 2 CPU processes
+demo: $(RUNTIME)  ## the example training and evaluation jobs on 2 CPU processes (installs only what they run)
 	$(BIN)/python examples/train.py --nproc 2
 	$(BIN)/python examples/evaluate.py --nproc 2
 
