@@ -33,6 +33,7 @@ from ._from_env import machines_under, run_here
 from ._launchers import detect
 from ._local import LocalCommunicator
 from ._memory import seconds as _seconds
+from ._rank_output import RankOutput
 from ._rendezvous import serve_store
 from ._serialization import dumps_code
 from ._start import free_port, start_world
@@ -151,8 +152,9 @@ def _stacks_on_request(reports: str, index: int) -> None:
 
 def _worker(
     local_rank: int, payload: bytes, per_machine: int, num_machines: int, machine_rank: int,
-    url: str, backend: str, timeout: float, parent: int, reports: str, hosted: bool = True,
+    url: str, backend: str, timeout: float, parent: int, reports: str, hosted: bool, output: RankOutput,
 ) -> None:
+    output.install(machine_rank * per_machine + local_rank)
     _die_with(parent)
     _stacks_on_request(reports, local_rank)
     reported = False
@@ -302,6 +304,8 @@ def launch(
     num_gpus_per_machine: int | None = None,
     elastic: bool = False,
     replacements: int = 0,
+    prefix_output: bool | None = None,
+    log_dir: str | os.PathLike[str] | None = None,
 ) -> None:
     """Start this machine's processes and run ``main_func(*args)`` in each.
 
@@ -331,6 +335,8 @@ def launch(
             exited. A process that raises still fails the job.
         replacements: with ``elastic``, how many lost processes are started again, in all; each
             waits in the rendezvous until the members ``comm.admit()`` it.
+        prefix_output: start each line the processes print with ``[rank<r>]: ``; None: where
+            the output is a terminal. ``log_dir``: also write each rank's to ``rank<r>.log`` there.
 
     Under a launcher (torchrun, srun, mpirun; see ``from_env``) the launcher's world wins: where it
     started ``num_processes_per_machine`` processes here, ``main_func`` runs in this one; where it
@@ -342,10 +348,6 @@ def launch(
         RuntimeError: launch() was called while a spawned process imported the script (no
             ``if __name__ == "__main__":`` guard around the call).
     """
-    if getattr(multiprocessing.current_process(), "_inheriting", False):  # a started process importing the script
-        raise RuntimeError(
-            "distcomm.launch() was called while a process it started imported your script: put the call "
-            "under `if __name__ == \"__main__\":` (each process imports the script to find main_func)")
     num_processes_per_machine, backend = _checked(main_func, num_processes_per_machine, num_gpus_per_machine,
                                                   num_machines, machine_rank, backend, args, elastic, replacements)
     seconds = _seconds(timeout, DEFAULT_TIMEOUT)
@@ -366,13 +368,17 @@ def launch(
         dist_url = f"tcp://127.0.0.1:{free_port()}"
     assert dist_url is not None
     _run_processes(main_func, args, num_processes_per_machine, num_machines, machine_rank, dist_url, backend,
-                   seconds, elastic, replacements)
+                   seconds, elastic, replacements, RankOutput.chosen(prefix_output, log_dir))
 
 
 def _checked(main_func: Any, num_processes_per_machine: int | None, num_gpus_per_machine: int | None,
              num_machines: int, machine_rank: int, backend: str | None, args: Any, elastic: bool,
              replacements: int) -> tuple[int, str]:
     """launch()'s arguments checked before anything starts: the processes per machine and the backend."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):  # a started process importing the script
+        raise RuntimeError(
+            "distcomm.launch() was called while a process it started imported your script: put the call "
+            "under `if __name__ == \"__main__\":` (each process imports the script to find main_func)")
     if not callable(main_func):
         raise TypeError(f"main_func must be callable, got {type(main_func).__name__}")
     if num_gpus_per_machine is not None:
@@ -414,7 +420,7 @@ def _run_alone(main_func: Callable[..., Any], args: Sequence[Any], seconds: floa
 
 def _run_processes(main_func: Callable[..., Any], args: Sequence[Any], per_machine: int, num_machines: int,
                    machine_rank: int, dist_url: str, backend: str, seconds: float, elastic: bool,
-                   replacements: int) -> None:
+                   replacements: int, output: RankOutput) -> None:
     """Start this machine's processes, watch them (``_supervise``), and report the job's failure."""
     first = machine_rank * per_machine
     context = None
@@ -422,7 +428,7 @@ def _run_processes(main_func: Callable[..., Any], args: Sequence[Any], per_machi
     reports = tempfile.mkdtemp(prefix="distcomm-launch-")
     store = serve_store(dist_url, per_machine * num_machines, seconds) if elastic and machine_rank == 0 else None
     worker_args = (dumps_code((main_func, tuple(args))), per_machine, num_machines, machine_rank, dist_url, backend,
-                   seconds, os.getpid(), reports, not elastic)
+                   seconds, os.getpid(), reports, not elastic, output)
     try:
         context = mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
             _worker, args=worker_args, nprocs=per_machine, join=False, start_method="spawn")

@@ -232,3 +232,36 @@ def test_a_launcher_killed_outright_leaves_no_orphan(tmp_path: Path) -> None:
         for pid in children:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+_PRINTS = """
+import sys
+import distcomm
+
+def main():
+    print(f"hello from {distcomm.get_rank()}", flush=True)
+    print("on stderr", file=sys.stderr, flush=True)
+
+if __name__ == "__main__":
+    prefix = {"yes": True, "no": False, "default": None}[sys.argv[1]]
+    distcomm.launch(main, 2, timeout=60, prefix_output=prefix, log_dir=sys.argv[2] if len(sys.argv) > 2 else None)
+"""
+
+
+@pytest.mark.slow
+def test_launch_prefixes_each_ranks_lines_and_keeps_a_log_per_rank(tmp_path: Path) -> None:
+    (tmp_path / "job.py").write_text(_PRINTS)
+
+    def job(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "job.py", *args], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=120)
+
+    out = job("yes", str(tmp_path / "logs"))
+    assert out.returncode == 0, out.stderr
+    assert sorted(out.stdout.splitlines()) == ["[rank0]: hello from 0", "[rank1]: hello from 1"]
+    assert sorted(line for line in out.stderr.splitlines() if "on stderr" in line) == [
+        "[rank0]: on stderr", "[rank1]: on stderr"]
+    for r in (0, 1):
+        assert (tmp_path / "logs" / f"rank{r}.log").read_text() == f"hello from {r}\non stderr\n"
+    plain = job("default")  # a pipe, not a terminal: left as it is
+    assert plain.returncode == 0 and sorted(plain.stdout.splitlines()) == ["hello from 0", "hello from 1"]

@@ -1,0 +1,89 @@
+"""What launch()'s processes print: each line prefixed with its rank where several ranks share one
+terminal, and a copy per rank in a log directory (torchrun's ``--tee`` / ``--log-dir``).
+
+Python's ``sys.stdout`` and ``sys.stderr`` are wrapped: what C++ code writes to the file
+descriptors directly (torch's and gloo's own warnings) goes to the terminal as it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import sys
+from typing import Any, TextIO
+
+__all__ = ["RankOutput"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RankOutput:
+    """How a launched process's output is written: ``prefix`` its lines with ``[rank<r>]: ``;
+    ``log_dir``: also into ``<log_dir>/rank<r>.log``."""
+
+    prefix: bool = False
+    log_dir: str | None = None
+
+    @classmethod
+    def chosen(cls, prefix: bool | None, log_dir: str | os.PathLike[str] | None) -> RankOutput:
+        """launch()'s arguments: ``prefix`` None prefixes where the output is a terminal (a person
+        reads the ranks' lines interleaved; a pipe or a file is left as it is)."""
+        if prefix is None:
+            prefix = sys.stdout.isatty()
+        directory = None if log_dir is None else os.fspath(log_dir)
+        if directory is not None:
+            os.makedirs(directory, exist_ok=True)  # here, before any process starts: an error is the caller's
+        return cls(bool(prefix), directory)
+
+    def install(self, rank: int) -> None:
+        """In the launched process: wrap its streams (nothing where there is nothing to do)."""
+        if not self.prefix and self.log_dir is None:
+            return
+        copy = None if self.log_dir is None else open(
+            os.path.join(self.log_dir, f"rank{rank}.log"), "a", buffering=1, encoding="utf-8")
+        tag = f"[rank{rank}]: " if self.prefix else ""
+        sys.stdout = _Lines(sys.stdout, tag, copy)
+        sys.stderr = _Lines(sys.stderr, tag, copy)
+
+
+class _Lines(io.TextIOBase):
+    """A text stream that writes to ``target`` with ``tag`` at the start of each line, and to ``copy``."""
+
+    def __init__(self, target: TextIO, tag: str, copy: TextIO | None) -> None:
+        super().__init__()
+        self._target, self._tag, self._copy = target, tag, copy
+        self._at_start = True
+
+    def write(self, s: str) -> int:
+        if self._tag:
+            pieces = []
+            for line in s.splitlines(keepends=True):
+                pieces.append(self._tag + line if self._at_start else line)
+                self._at_start = line.endswith("\n")
+            self._target.write("".join(pieces))
+        else:
+            self._target.write(s)
+        if self._copy is not None:
+            self._copy.write(s)
+        return len(s)
+
+    def flush(self) -> None:
+        self._target.flush()
+        if self._copy is not None:
+            self._copy.flush()
+
+    def isatty(self) -> bool:
+        return self._target.isatty()
+
+    def fileno(self) -> int:
+        return self._target.fileno()
+
+    def writable(self) -> bool:
+        return True
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return getattr(self._target, "encoding", "utf-8")
+
+    def __getattr__(self, name: str) -> Any:  # errors, buffer, ... of the stream underneath
+        return getattr(self._target, name)
