@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ._agreement import spans
 from ._cli_env import gloo_interface, versions
 from ._communicator import Communicator
 from ._context import current
@@ -69,7 +70,7 @@ def _versions_differ(comm: Communicator, mine: dict[str, str]) -> str:
     if not odd:
         return ""
     return "versions differ: rank 0 runs " + ", ".join(f"{k} {mine[k]}" for k in ("distcomm", "torch", "python")) + \
-        "; " + "; ".join(f"{_span(ranks)} {what}" for what, ranks in odd.items())
+        "; " + "; ".join(f"{spans(ranks)} {what}" for what, ranks in odd.items())
 
 
 def exact_results(comm: Communicator) -> list[str]:
@@ -158,13 +159,6 @@ def verdict(comm: Communicator, rows: list[dict[str, Any]] | None, mismatch: str
                      f"{slowest:.2f} s of starting; {len(_CHECKS)} collectives gave exact results "
                      f"({type(comm).__name__})")
     return "\n".join(lines)
-
-
-def _span(ranks: list[int]) -> str:
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    return f"ranks {ranks[0]}-{ranks[-1]}" if ranks == list(range(ranks[0], ranks[-1] + 1)) else \
-        f"ranks {', '.join(map(str, ranks))}"
 
 
 def _since_process_start() -> float:
