@@ -2,7 +2,9 @@
 
 A block's info string says how: ```python runs it as a script, ```python torchrun under torchrun
 with 2 processes, ```python pytest as a test file; ```python fragment marks a snippet that is not
-meant to run on its own (a signature, a before/after table).
+meant to run on its own (a signature, a before/after table). ``file=NAME`` after the kind runs the
+block under that file name and puts it beside every later block of the same page, as a reader who
+saved it would have it (docs/tutorial.md's test imports its train.py).
 
 Blocks run as a user would paste them into a project of their own: from an empty directory, with
 distcomm installed and nothing of this repository's on the path (its examples and tests aren't
@@ -25,6 +27,7 @@ import distcomm
 ROOT = Path(__file__).resolve().parent.parent
 FENCE = re.compile(r"^( *)```python([^\n]*)\n(.*?)^\1```", re.M | re.S)
 KINDS = {"", "torchrun", "pytest", "fragment"}
+FILE = re.compile(r"(?:^|\s)file=(\S+)$")
 
 
 def doc_files() -> list[str]:
@@ -32,32 +35,41 @@ def doc_files() -> list[str]:
     return ["README.md", *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md"))]
 
 
-def blocks() -> list[tuple[str, str, str]]:
-    """(where, kind, code) of every ```python block: where is ``file:line``."""
+def blocks() -> list[tuple[str, str, str, str, dict[str, str]]]:
+    """(where, kind, name, code, saved) of every ```python block: where is ``file:line``; name the file it
+    runs as ("" for the default); saved, the files earlier blocks of its page saved (name: code)."""
     found = []
     for name in doc_files():
         text = (ROOT / name).read_text()
+        saved: dict[str, str] = {}
         for m in FENCE.finditer(text):
             line = text.count("\n", 0, m.start()) + 1
-            found.append((f"{name}:{line}", m.group(2).strip(), textwrap.dedent(m.group(3))))
+            info, code = m.group(2).strip(), textwrap.dedent(m.group(3))
+            named = FILE.search(info)
+            kind = info[:named.start()].strip() if named else info
+            found.append((f"{name}:{line}", kind, named.group(1) if named else "", code, dict(saved)))
+            if named:
+                saved[named.group(1)] = code
     return found
 
 
 def test_every_block_says_how_it_runs() -> None:
     found = blocks()
     assert len(found) >= 5
-    for where, kind, _ in found:
+    for where, kind, *_ in found:
         assert kind in KINDS, f"{where}: unknown block kind {kind!r}"
-    assert sum(kind != "fragment" for _, kind, _ in found) >= 4
-    readme = [kind for where, kind, _ in found if where.startswith("README.md:")]
+    assert sum(kind != "fragment" for _, kind, *_ in found) >= 4
+    readme = [kind for where, kind, *_ in found if where.startswith("README.md:")]
     assert sum(kind != "fragment" for kind in readme) >= 3, "the README's quick start and testing examples run"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("where,kind,code", [pytest.param(*b, id=f"{b[0]}-{b[1]}" if b[1] else b[0])
-                                             for b in blocks() if b[1] != "fragment"])
-def test_block_runs(where: str, kind: str, code: str, tmp_path: Path) -> None:
-    script = tmp_path / ("test_block.py" if kind == "pytest" else "block.py")
+@pytest.mark.parametrize("where,kind,name,code,saved", [pytest.param(*b, id=f"{b[0]}-{b[1]}" if b[1] else b[0])
+                                                        for b in blocks() if b[1] != "fragment"])
+def test_block_runs(where: str, kind: str, name: str, code: str, saved: dict[str, str], tmp_path: Path) -> None:
+    for other, text in saved.items():
+        (tmp_path / other).write_text(text)
+    script = tmp_path / (name or ("test_block.py" if kind == "pytest" else "block.py"))
     script.write_text(code)
     env = _users_env()
     if kind == "torchrun":
