@@ -26,11 +26,11 @@ def wait_until_failure(processes: Sequence[Any], grace: float) -> dict[int, tupl
     failed: dict[int, tuple[int, float]] = {}
     stop_at = None
     while True:
-        for i, p in enumerate(processes):
-            code = p.exitcode
+        codes = [p.exitcode for p in processes]  # read once: a process that exits between two reads
+        for i, code in enumerate(codes):          # would be neither failed nor running (the job "passed")
             if i not in failed and code is not None and code != 0:
                 failed[i] = (code, time.time())
-        running = [p for p in processes if p.exitcode is None]
+        running = [p for p, code in zip(processes, codes, strict=True) if code is None]
         now = time.monotonic()
         if failed and stop_at is None:
             stop_at = now + grace
@@ -47,8 +47,9 @@ def wait_elastic(processes: list[Any], grace: float, reports: str, first: int, r
     left = replacements
     started_again: set[int] = set()
     while True:
-        for i, p in enumerate(processes):
-            code = p.exitcode
+        seen = list(processes)
+        codes = [p.exitcode for p in seen]  # read once per look (see wait_until_failure)
+        for i, (p, code) in enumerate(zip(seen, codes, strict=True)):
             if code is None or code == 0:
                 continue
             if os.path.exists(os.path.join(reports, f"{i}.report")):  # it raised: the job fails
@@ -62,13 +63,14 @@ def wait_elastic(processes: list[Any], grace: float, reports: str, first: int, r
             else:
                 processes[i] = _Ended(p.pid)
                 _say(f"rank {first + i} (pid {p.pid}) was lost ({how_it_ended(code)}); the others go on")
-        running = [p for p in processes if p.exitcode is None]
+        # running: as read at the top, and those started again just now
+        running = [i for i, p in enumerate(processes) if codes[i] is None or (p is not seen[i] and p.exitcode is None)]
         if not running:
             return {}
-        if all(i in started_again for i, p in enumerate(processes) if p.exitcode is None):
+        if all(i in started_again for i in running):
             _end_unadmitted(processes, started_again, first, grace)  # the job ended before they came in
             return {}
-        _sleep_on(running, 1.0)
+        _sleep_on([processes[i] for i in running], 1.0)
 
 
 def _end_unadmitted(processes: Sequence[Any], started_again: set[int], first: int, grace: float) -> None:
