@@ -43,6 +43,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     store.add_argument("--port", type=int, required=True, help="the port to listen on (the ranks' MASTER_PORT)")
     store.add_argument("--world-size", type=int, default=1, help="the job's ranks (informational)")
     args = parser.parse_args(argv)
+    if getattr(args, "timeout", 1.0) <= 0 or (getattr(args, "nproc", None) or 1) < 1:
+        parser.error("--timeout must be positive and --nproc 1 or more")
+    if getattr(args, "backend", None) == "nccl" and not _cuda():
+        parser.error("--backend nccl needs CUDA, and this machine has no CUDA device")
     if args.command == "env":
         from ._cli_env import print_environment
 
@@ -55,35 +59,31 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _bench_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from ._cli_bench import check_memory, parse_size
+    from ._cli_bench import bench_problem, parse_size
 
     try:
         sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
     except ValueError as e:
         parser.error(str(e))
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401 - only asked whether it is there
-        except ImportError:
-            parser.error("--plot needs matplotlib (pip install matplotlib)")
-    world, local = _world(args.nproc)
+    found = _detected(parser)
+    world = found.world_size if found.started_by_launcher else args.nproc or 2
     if world < 2:
         parser.error("bench compares collectives between ranks: run it under a launcher or with --nproc 2 or more")
-    try:
-        check_memory(sizes, world, local)
-    except ValueError as e:
-        parser.error(str(e))
+    if not found.started_by_launcher:  # (under a launcher, rank 0 decides for all: see _bench)
+        problem = bench_problem(sizes, world, world, args.plot)
+        if problem:
+            parser.error(problem)
     return _on_every_rank(parser, _bench, (sizes, args.plot), args)
 
 
-def _world(nproc: int | None) -> tuple[int, int]:
-    """The job's world size and this machine's ranks: the launcher's, or ``--nproc`` processes here."""
+def _detected(parser: argparse.ArgumentParser) -> Any:
+    """What started this process (``detect()``); variables that contradict each other end the command."""
     from ._launchers import detect
 
-    found = detect()
-    if found.started_by_launcher:
-        return found.world_size, found.local_size or 1
-    return nproc or 2, nproc or 2
+    try:
+        return detect()
+    except ValueError as e:
+        parser.exit(1, f"PROBLEM: {e}\n")
 
 
 def _on_every_rank(parser: argparse.ArgumentParser, fn: Callable[..., bool], fn_args: tuple[Any, ...],
@@ -91,9 +91,7 @@ def _on_every_rank(parser: argparse.ArgumentParser, fn: Callable[..., bool], fn_
     """Run ``fn(*fn_args)`` on every rank with its communicator installed; 0 if rank 0's returned True."""
     import distcomm
 
-    from ._launchers import detect
-
-    found = detect()
+    found = _detected(parser)
     if found.started_by_launcher:
         if args.nproc is not None:
             parser.error(f"{found.launcher} started this process: it sets the ranks, so drop --nproc")
@@ -107,14 +105,12 @@ def _on_every_rank(parser: argparse.ArgumentParser, fn: Callable[..., bool], fn_
         with comm, distcomm.use(comm):
             ok = fn(*fn_args)
         return 0 if ok or found.rank != 0 else 1
-    if args.nproc is not None and args.nproc < 1:
-        parser.error(f"--nproc must be 1 or more, got {args.nproc}")
     with tempfile.TemporaryDirectory(prefix="distcomm-") as tmp:
         verdict = os.path.join(tmp, "verdict")
-        try:
+        try:  # (the table is rank 0's alone: no rank prefix on its lines)
             distcomm.launch(_rank_main, args.nproc or 2, args=(fn, fn_args, verdict), backend=args.backend,
-                            timeout=args.timeout)
-        except distcomm.DistCommError as e:
+                            timeout=args.timeout, prefix_output=False)
+        except (distcomm.DistCommError, ValueError, RuntimeError) as e:
             print(f"PROBLEM: {e}", file=sys.stderr, flush=True)
             return 1
         with open(verdict) as f:
@@ -145,8 +141,14 @@ def _check() -> bool:
 def _bench(sizes: list[int], png: str | None) -> bool:
     import distcomm
 
-    from ._cli_bench import bench_rank, plot, table
+    from ._cli_bench import bench_problem, bench_rank, plot, table
 
+    comm = distcomm.current()  # rank 0 decides for all: memory and matplotlib may differ per machine
+    problem = comm.broadcast(bench_problem(sizes, comm.world_size, comm.local_size, png) if comm.rank == 0 else None)
+    if problem:
+        if comm.rank == 0:
+            print(f"PROBLEM: {problem}", file=sys.stderr, flush=True)
+        return False
     rows = bench_rank(sizes)
     if distcomm.get_rank() == 0:
         print(table(rows), flush=True)

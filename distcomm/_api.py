@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -152,7 +153,7 @@ def shard(size: int, sharding: Literal["contiguous", "interleaved"] = "contiguou
     return _for_group(group).shard(size, sharding=sharding)
 
 
-def main_process_first(local: bool = False, timeout: float | None = None,
+def main_process_first(local: bool = False, timeout: float | datetime.timedelta | None = None,
                        group: Any = None) -> AbstractContextManager[None]:
     """A block that runs on the main process first, then on the others (see Communicator.main_process_first)."""
     return _for_group(group).main_process_first(local=local, timeout=timeout)

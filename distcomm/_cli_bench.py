@@ -10,6 +10,7 @@ are made of); the tensor collective reduces a float32 tensor of that many bytes.
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import sys
@@ -24,7 +25,7 @@ import torch.distributed as dist
 from ._communicator import Communicator
 from ._context import current
 
-__all__ = ["OPS", "bench_rank", "check_memory", "parse_size", "plot", "table"]
+__all__ = ["OPS", "bench_problem", "bench_rank", "parse_size", "plot", "table"]
 
 OPS = ("all_gather", "broadcast", "all_reduce", "all_reduce check=False")
 """distcomm's all_reduce checks by default that every rank passed the same dtype, shape and op (a
@@ -40,8 +41,8 @@ def parse_size(text: str) -> int:
         value = float(t[: len(t) - len(unit)])
     except ValueError:
         raise ValueError(f"a size is a number of bytes with an optional K, M or G (got {text!r})") from None
-    if value <= 0:
-        raise ValueError(f"a size must be positive (got {text!r})")
+    if not math.isfinite(value) or int(value * _UNITS[unit]) < 1:
+        raise ValueError(f"a size must be at least one byte (got {text!r})")
     return int(value * _UNITS[unit])
 
 
@@ -53,15 +54,22 @@ def human(n: float) -> str:
     return f"{n} B"
 
 
-def check_memory(sizes: list[int], world: int, local_ranks: int) -> None:
-    """Refuse, before anything is allocated, sizes this machine's free memory can't hold: an
-    all_gather keeps every rank's copy on each rank, torch's beside distcomm's."""
+def bench_problem(sizes: list[int], world: int, local_ranks: int, png: str | None) -> str:
+    """Why the bench can't run here ("" where it can), before anything is allocated: sizes this
+    machine's free memory can't hold (an all_gather keeps every rank's copy on each rank, torch's
+    beside distcomm's), or a plot without matplotlib."""
     free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     need = max(sizes) * (2 * world + 4) * local_ranks
     if need > free:
-        raise ValueError(f"a size of {human(max(sizes))} at {world} ranks needs about {human(need)} on this machine "
-                         f"({local_ranks} ranks here, each holding every rank's copy), and {human(free)} is free; "
-                         f"pass smaller --sizes")
+        return (f"a size of {human(max(sizes))} at {world} ranks needs about {human(need)} on this machine "
+                f"({local_ranks} ranks here, each holding every rank's copy), and {human(free)} is free; "
+                f"pass smaller --sizes")
+    if png:
+        try:
+            import matplotlib  # noqa: F401 - only asked whether it is there
+        except ImportError:
+            return "--plot needs matplotlib (pip install matplotlib)"
+    return ""
 
 
 def _iterations(size: int) -> int:

@@ -33,15 +33,23 @@ _MAX_ROWS = 64  # rows of the table; a larger job's are summarized
 
 def check_rank() -> bool:
     """One rank's part (its communicator is made): compare versions, run the collectives; rank 0
-    prints. True if all is well."""
+    prints. True if all is well. Every rank takes the same path: the versions' verdict is read by
+    all, and each rank's problems travel with its row (a rank that found a wrong value still
+    gathers), unless a collective failed, which every rank hears of."""
     comm = current()
     mine = _about_me(comm, _since_process_start())
     mismatch = _versions_differ(comm, mine["versions"])
-    problems = exact_results(comm)
-    rows = comm.gather(mine, dst=0) if not problems else None
+    if mismatch:
+        if comm.rank == 0:
+            print(verdict(comm, None, mismatch, []), flush=True)
+        return False
+    problems, broken = exact_results(comm)
+    rows = None if broken else comm.gather((mine, problems), dst=0)
     if comm.rank == 0:
-        print(verdict(comm, rows, mismatch, problems), flush=True)
-    return not (problems or mismatch)
+        if rows:
+            problems = [f"rank {row['rank']}: {p}" if row["rank"] else p for row, theirs in rows for p in theirs]
+        print(verdict(comm, [row for row, _ in rows] if rows else None, "", problems), flush=True)
+    return not problems
 
 
 def _about_me(comm: Communicator, meet_s: float) -> dict[str, Any]:
@@ -53,38 +61,43 @@ def _about_me(comm: Communicator, meet_s: float) -> dict[str, Any]:
 
 
 def _versions_differ(comm: Communicator, mine: dict[str, str]) -> str:
-    """Which ranks run other versions than rank 0 ("" where all agree), read through the job's
-    store: a collective between different distcomm or torch versions is what this guards."""
+    """Which ranks run other versions than rank 0 ("" where all agree), on every rank. Compared
+    through the job's store, before any collective: ranks of different distcomm or torch versions
+    may not share a wire. Rank 0 reads each rank's versions and writes the verdict every rank reads
+    (a few store calls per rank at any world size)."""
     if comm.world_size == 1 or not dist.is_initialized():
         return ""
     store = dist.distributed_c10d._get_default_store()
-    store.set(f"distcomm-check/versions/{comm.rank}", json.dumps(mine))
+    seat = getattr(comm, "_seat", None)
+    key = f"distcomm-check/{seat.epoch if seat is not None else ''}"  # this run's keys alone
+    store.set(f"{key}/versions/{comm.rank}", json.dumps(mine))
     if comm.rank != 0:
-        return ""
+        return str(store.get(f"{key}/verdict").decode())
     odd: dict[str, list[int]] = {}
     for r in range(1, comm.world_size):
-        theirs = json.loads(store.get(f"distcomm-check/versions/{r}"))
+        theirs = json.loads(store.get(f"{key}/versions/{r}"))
         for k in ("distcomm", "torch", "python", "nccl"):
             if theirs.get(k) != mine.get(k):
                 odd.setdefault(f"{k} {theirs.get(k)}", []).append(r)
-    if not odd:
-        return ""
-    return "versions differ: rank 0 runs " + ", ".join(f"{k} {mine[k]}" for k in ("distcomm", "torch", "python")) + \
-        "; " + "; ".join(f"{spans(ranks)} {what}" for what, ranks in odd.items())
+    said = "" if not odd else (
+        "versions differ: rank 0 runs " + ", ".join(f"{k} {mine[k]}" for k in ("distcomm", "torch", "python"))
+        + "; " + "; ".join(f"{spans(ranks)} {what}" for what, ranks in odd.items()))
+    store.set(f"{key}/verdict", said)
+    return said
 
 
-def exact_results(comm: Communicator) -> list[str]:
-    """Run each collective with values whose results are known; the problems found ([] if none).
-    The first failure ends the run: a failed collective leaves the communicator broken."""
+def exact_results(comm: Communicator) -> tuple[list[str], bool]:
+    """Run each collective with values whose results are known: the problems this rank found, and
+    whether a collective failed (it leaves the communicator broken, so the run ends there)."""
     problems: list[str] = []
     for name, run in _CHECKS:
         try:
             wrong = run(comm)
         except DistCommError as e:
-            return [f"{name}: {type(e).__name__}: {clipped(str(e).splitlines()[0], 400)}"]
+            return [f"{name}: {type(e).__name__}: {clipped(str(e).splitlines()[0], 400)}"], True
         if wrong:
             problems.append(f"{name}: {wrong}")
-    return problems
+    return problems, False
 
 
 def _all_reduce(comm: Communicator) -> str:

@@ -8,65 +8,69 @@ from __future__ import annotations
 import builtins
 import contextlib
 import datetime
+import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Literal
 
 from ._errors import CollectiveError
+from ._ordering import results_problem, shard_range
 
 if TYPE_CHECKING:
     from ._communicator import Communicator
 
-__all__ = ["main_process_first", "print_main", "shard", "shard_of"]
-
-
-def shard_of(size: int, rank: int, world: int, sharding: Literal["contiguous", "interleaved"]) -> range:
-    """Rank ``rank``'s indices of ``range(size)`` among ``world`` ranks.
-
-    "contiguous": one block of consecutive indices, the blocks in rank order, ``size // world``
-    each and one more on the first ``size % world`` ranks (detectron2's InferenceSampler).
-    "interleaved": ``rank, rank + world, ...`` (torch's DistributedSampler without shuffling or
-    padding). Either way every index is on exactly one rank, and ``gather_in_order`` with the same
-    ``sharding`` and ``size`` puts the ranks' results back in dataset order."""
-    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-        raise ValueError(f"size must be an int >= 0 (the dataset's length), got {size!r}")
-    if sharding == "interleaved":
-        return range(rank, size, world)
-    if sharding != "contiguous":
-        raise ValueError(f"sharding must be 'contiguous' or 'interleaved', got {sharding!r}")
-    each, extra = divmod(size, world)
-    start = rank * each + min(rank, extra)
-    return range(start, start + each + (rank < extra))
+__all__ = ["main_process_first", "print_main", "shard"]
 
 
 def shard(comm: Communicator, size: int, sharding: Literal["contiguous", "interleaved"]) -> range:
-    return shard_of(size, comm.rank, comm.world_size, sharding)
+    """This rank's indices of ``range(size)``, as ``gather_in_order`` takes them (the same checks)."""
+    problem = results_problem((), size, sharding) if size is not None else "size must be an int >= 0, got None"
+    if problem is not None:
+        raise ValueError(f"shard: {problem.replace(' or None', '')}")
+    return shard_range(int(size), comm.world_size, comm.rank, sharding)
+
+
+_INSIDE: weakref.WeakSet[Communicator] = weakref.WeakSet()
+"""Communicators inside a main_process_first block (nesting is refused: see below)."""
 
 
 @contextlib.contextmanager
 def main_process_first(comm: Communicator, local: bool,
                        timeout: float | datetime.timedelta | None) -> Iterator[None]:
     """The block runs on the main process (rank 0; with ``local``, local rank 0 of each machine)
-    first, then on the others at once. If it raises there, the others raise too, naming it, instead
-    of running a block whose cache was never built."""
+    first, then on the others at once: one all_gather, which the first ones enter after their
+    block and the others before theirs. If the block raises there, the others raise too, naming
+    it, instead of running a block whose cache was never built. Nested blocks are refused on every
+    rank before any call: their all_gathers would pair the wrong levels across ranks."""
+    if not isinstance(local, bool):
+        raise TypeError(f"local must be a bool, got {type(local).__name__}")
+    if comm in _INSIDE:
+        raise RuntimeError("main_process_first blocks don't nest (on the same communicator)")
     first = (comm.local_rank if local else comm.rank) == 0
-    if not first:
-        outcomes = comm.all_gather(None, timeout=timeout)  # returns once the first ones are through
-        _raise_if_failed(comm, outcomes)
-        yield
-        return
+    _INSIDE.add(comm)
     try:
-        yield
-    except BaseException as e:
-        comm.all_gather(f"{type(e).__name__}: {e}", timeout=timeout)
-        raise
-    _raise_if_failed(comm, comm.all_gather(None, timeout=timeout))
+        if not first:
+            _raise_if_failed(comm.all_gather(None, timeout=timeout), skipped=True)
+            yield
+            return
+        try:
+            yield
+        except GeneratorExit:  # a generator around the block was closed: the block ended, as planned
+            comm.all_gather(None, timeout=timeout)
+            raise
+        except Exception as e:  # (an interrupt is not waited on: the peers see this process end)
+            comm.all_gather(f"{type(e).__name__}: {e}", timeout=timeout)
+            raise
+        _raise_if_failed(comm.all_gather(None, timeout=timeout), skipped=False)
+    finally:
+        _INSIDE.discard(comm)
 
 
-def _raise_if_failed(comm: Communicator, outcomes: list[Any]) -> None:
+def _raise_if_failed(outcomes: list[Any], skipped: bool) -> None:
     failed = [(r, text) for r, text in enumerate(outcomes) if text is not None]
     if failed:
         r, text = failed[0]
-        raise CollectiveError(f"main_process_first: rank {r} raised inside the block ({text}); this rank skipped it",
+        raise CollectiveError(f"main_process_first: rank {r} raised inside the block ({text})"
+                              + ("; this rank skipped it" if skipped else ""),
                               op="main_process_first", ranks=[r for r, _ in failed])
 
 

@@ -113,6 +113,11 @@ class _KeepAlive:
                 self._thread.start()
                 atexit.register(self._end)
 
+    def stop(self) -> None:
+        """Beat for no membership (the thread stays, idle, until the next ``follow``)."""
+        with self._lock:
+            self._stop()
+
     def watch_host(self, pid: int | None) -> None:
         """The pid of the store's host, where this machine sees it (known once the group is built)."""
         with self._lock:

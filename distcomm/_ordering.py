@@ -34,24 +34,31 @@ from ._errors import CollectiveError, CollectiveMismatchError
 if TYPE_CHECKING:
     from ._communicator import Communicator
 
-__all__ = ["SHARDINGS", "counts_problem", "dataset_order", "gather_in_order", "results_problem", "shard_indices"]
+__all__ = ["SHARDINGS", "counts_problem", "dataset_order", "gather_in_order", "results_problem", "shard_indices",
+           "shard_range"]
 
 SHARDINGS = ("contiguous", "interleaved")
 
 _LABEL = Op.GATHER_IN_ORDER.label
 
 
-def shard_indices(size: int, world: int, rank: int, sharding: str, *, padded: bool = False) -> list[int]:
-    """The dataset indices rank ``rank`` of ``world`` evaluates under ``sharding`` (as the samplers
-    above make them; ``padded``: interleaved, padded as DistributedSampler with drop_last=False)."""
+def shard_range(size: int, world: int, rank: int, sharding: str) -> range:
+    """The dataset indices rank ``rank`` of ``world`` evaluates under ``sharding``, as the samplers
+    above make them without padding (``Communicator.shard``)."""
     if sharding == "contiguous":
         base, extra = divmod(size, world)
         begin = rank * base + min(rank, extra)
-        return list(range(begin, begin + base + (rank < extra)))
+        return range(begin, begin + base + (rank < extra))
     if sharding != "interleaved":
         raise ValueError(f"sharding must be one of {', '.join(map(repr, SHARDINGS))}, got {sharding!r}")
-    if not padded or size == 0:
-        return list(range(rank, size, world))
+    return range(rank, size, world)
+
+
+def shard_indices(size: int, world: int, rank: int, sharding: str, *, padded: bool = False) -> list[int]:
+    """``shard_range`` as a list; ``padded``: interleaved, padded as DistributedSampler with
+    drop_last=False."""
+    if not padded or size == 0 or sharding != "interleaved":
+        return list(shard_range(size, world, rank, sharding))
     total = -(-size // world) * world
     return [i % size for i in range(rank, total, world)]  # the padding repeats the first indices
 

@@ -2,7 +2,9 @@
 terminal, and a copy per rank in a log directory (torchrun's ``--tee`` / ``--log-dir``).
 
 Python's ``sys.stdout`` and ``sys.stderr`` are wrapped: what C++ code writes to the file
-descriptors directly (torch's and gloo's own warnings) goes to the terminal as it is.
+descriptors directly (torch's and gloo's own warnings, a crash's last words) goes to the terminal
+as it is, and not into the log. Only processes launch() starts are wrapped (a job of one process,
+or ranks a launcher started, print as they would without it).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ class RankOutput:
     def chosen(cls, prefix: bool | None, log_dir: str | os.PathLike[str] | None) -> RankOutput:
         """launch()'s arguments: ``prefix`` None prefixes where the output is a terminal (a person
         reads the ranks' lines interleaved; a pipe or a file is left as it is)."""
+        if prefix is not None and not isinstance(prefix, bool):
+            raise TypeError(f"prefix_output must be a bool or None, got {type(prefix).__name__}")
         if prefix is None:
             prefix = sys.stdout.isatty()
         directory = None if log_dir is None else os.fspath(log_dir)
@@ -40,7 +44,7 @@ class RankOutput:
         if not self.prefix and self.log_dir is None:
             return
         copy = None if self.log_dir is None else open(
-            os.path.join(self.log_dir, f"rank{rank}.log"), "a", buffering=1, encoding="utf-8")
+            os.path.join(self.log_dir, f"rank{rank}.log"), "w", buffering=1, encoding="utf-8")
         tag = f"[rank{rank}]: " if self.prefix else ""
         sys.stdout = _Lines(sys.stdout, tag, copy)
         sys.stderr = _Lines(sys.stderr, tag, copy)

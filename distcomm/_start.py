@@ -115,13 +115,14 @@ def start_seat(cls: type[_TorchCommunicator], seat: Seat, *, timeout: float | da
     td = datetime.timedelta(seconds=seconds)
     rank, world = seat.rank, len(seat.members)
     keep_alive.follow(seat)
-    if cls.backend == "nccl":
-        device = kwargs["device"]
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", store=seat.store, rank=rank, world_size=world, timeout=td, device_id=device)
-    else:
-        dist.init_process_group("gloo", store=seat.store, rank=rank, world_size=world, timeout=td)
     try:
+        if cls.backend == "nccl":
+            device = kwargs["device"]
+            torch.cuda.set_device(device)
+            dist.init_process_group("nccl", store=seat.store, rank=rank, world_size=world, timeout=td,
+                                    device_id=device)
+        else:
+            dist.init_process_group("gloo", store=seat.store, rank=rank, world_size=world, timeout=td)
         comm = cls(None, timeout=timeout, _owns_default=True, **kwargs)
         comm._machines_declared = True  # the job's launcher knows its machines (the reference's launch())
         comm._store_by_rank0 = seat.hosted and seat.members[0] == 0  # job rank 0 serves it, if still here
@@ -132,6 +133,7 @@ def start_seat(cls: type[_TorchCommunicator], seat: Seat, *, timeout: float | da
         set_default(comm)  # every thread of the process sees it
         return comm
     except BaseException:
+        keep_alive.stop()  # no beat for a membership whose group never formed
         if dist.is_initialized():
             dist.destroy_process_group()
         raise

@@ -84,8 +84,8 @@ def _other_version_on_rank_1(comm: distcomm.Communicator) -> tuple[bool, str]:
 
 
 def test_check_names_ranks_with_other_versions() -> None:
-    (ok, printed), _ = spawn(_other_version_on_rank_1, 2, timeout=120, reuse=False)
-    assert not ok
+    (ok, printed), (ok_1, printed_1) = spawn(_other_version_on_rank_1, 2, timeout=120, reuse=False)
+    assert not ok and not ok_1 and printed_1 == ""  # every rank stops before any collective; rank 0 says why
     assert f"PROBLEM: versions differ: rank 0 runs distcomm {distcomm.__version__}" in printed
     assert "rank 1 distcomm 9.9.9" in printed and "install the same versions on every machine" in printed
 
@@ -108,6 +108,10 @@ def test_bench_prints_a_table_beside_torch_and_plots(tmp_path: Path) -> None:
     (("bench", "--sizes", "1T"), "a size is a number of bytes"),
     (("bench", "--nproc", "2", "--sizes", "400G"), "pass smaller --sizes"),
     (("bench", "--nproc", "1"), "bench compares collectives between ranks"),
+    (("bench", "--sizes", "inf"), "a size must be at least one byte"),
+    (("bench", "--sizes", "0.1"), "a size must be at least one byte"),
+    (("check", "--timeout", "-1"), "--timeout must be positive"),
+    (("check", "--backend", "nccl"), "--backend nccl needs CUDA"),
     (("frobnicate",), "invalid choice: 'frobnicate'"),
     (("check", "--bogus"), "unrecognized arguments: --bogus"),
 ])
@@ -150,3 +154,23 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def _wrong_on_rank_1(comm: distcomm.Communicator) -> tuple[bool, str]:
+    from distcomm import _cli_check
+
+    if comm.rank == 1:  # a check that finds a wrong value on one rank only
+        _cli_check._CHECKS.append(("odd", lambda c: "got 41, wanted 42"))
+    else:
+        _cli_check._CHECKS.append(("odd", lambda c: ""))
+    printed = io.StringIO()
+    with redirect_stdout(printed):
+        ok = _cli_check.check_rank()
+    return ok, printed.getvalue()
+
+
+def test_a_problem_on_one_rank_reaches_rank_0s_verdict_without_a_hang() -> None:
+    (ok, printed), (ok_1, _) = spawn(_wrong_on_rank_1, 2, timeout=120, reuse=False)
+    assert not ok and "PROBLEM: rank 1: odd: got 41, wanted 42" in printed and "OK:" not in printed
+    assert not ok_1  # rank 1 knows its own problem
+

@@ -8,10 +8,11 @@ from contextlib import redirect_stdout
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 import distcomm
-from distcomm._conveniences import shard_of
+from distcomm._ordering import shard_range
 from distcomm.testing import FakeCommunicator, run_threaded, spawn
 
 
@@ -19,7 +20,7 @@ from distcomm.testing import FakeCommunicator, run_threaded, spawn
 def test_every_index_is_on_exactly_one_rank(sharding: Any) -> None:
     for world in (1, 2, 3, 7, 64):
         for size in (0, 1, 5, 64, 1001):
-            shards = [shard_of(size, r, world, sharding) for r in range(world)]
+            shards = [shard_range(size, world, r, sharding) for r in range(world)]
             assert sorted(i for s in shards for i in s) == list(range(size))
             counts = [len(s) for s in shards]
             assert max(counts) - min(counts) <= 1
@@ -27,10 +28,13 @@ def test_every_index_is_on_exactly_one_rank(sharding: Any) -> None:
 
 def test_bad_sharding_and_size_are_refused() -> None:
     comm = FakeCommunicator(rank=0, world_size=2)
-    with pytest.raises(ValueError, match="sharding must be 'contiguous' or 'interleaved'"):
+    with pytest.raises(ValueError, match="sharding must be one of 'contiguous', 'interleaved'"):
         comm.shard(10, sharding="blocks")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="size must be an int >= 0"):
         comm.shard(-1)
+    with pytest.raises(ValueError, match="size must be an int >= 0"):
+        comm.shard(None)  # type: ignore[arg-type]
+    assert comm.shard(np.int64(5)) == range(0, 3)  # as gather_in_order takes it
 
 
 def _round_trip(comm: distcomm.Communicator) -> dict[str, Any]:
@@ -110,3 +114,30 @@ def _printed(comm: distcomm.Communicator) -> str:
 
 def test_print_on_the_main_process_only() -> None:
     assert spawn(_printed, 2, timeout=120) == ["loss=0.5\n", ""]
+
+
+def _generator_closed_early(comm: distcomm.Communicator) -> str:
+    def rows() -> Any:
+        with comm.main_process_first(timeout=60):
+            yield from range(10)
+
+    taken = rows()
+    next(taken)
+    taken.close()  # the caller stops early: GeneratorExit inside the block, on every rank
+    return f"{comm.all_gather(comm.rank)}"  # the ranks still agree on what comes next
+
+
+def _nested(comm: distcomm.Communicator) -> str:
+    with comm.main_process_first(timeout=60):
+        try:
+            with comm.main_process_first(timeout=60):
+                return "nested ran"
+        except RuntimeError as e:
+            return str(e)
+
+
+@pytest.mark.parametrize("world", ["gloo", "threaded"])
+def test_a_generator_closed_inside_the_block_is_no_failure_and_nesting_is_refused(world: str) -> None:
+    run = (lambda fn: spawn(fn, 2, timeout=120)) if world == "gloo" else (lambda fn: run_threaded(fn, 2, timeout=60))
+    assert run(_generator_closed_early) == ["[0, 1]", "[0, 1]"]
+    assert run(_nested) == ["main_process_first blocks don't nest (on the same communicator)"] * 2
