@@ -51,27 +51,37 @@ class RankOutput:
 
 
 class _Lines(io.TextIOBase):
-    """A text stream that writes to ``target`` with ``tag`` at the start of each line, and to ``copy``."""
+    """A text stream that writes to ``target`` with ``tag`` at the start of each line, and to ``copy``.
+    Whole lines go out in one write each (``print`` writes its text and its newline apart), so the
+    lines of ranks sharing one terminal or pipe never run into each other."""
 
     def __init__(self, target: TextIO, tag: str, copy: TextIO | None) -> None:
         super().__init__()
         self._target, self._tag, self._copy = target, tag, copy
         self._at_start = True
+        self._partial = ""
 
     def write(self, s: str) -> int:
-        if self._tag:
-            pieces = []
-            for line in s.splitlines(keepends=True):
-                pieces.append(self._tag + line if self._at_start else line)
-                self._at_start = line.endswith("\n")
-            self._target.write("".join(pieces))
-        else:
-            self._target.write(s)
+        text = self._partial + s
+        end = text.rfind("\n") + 1
+        self._partial = text[end:]
+        if end:
+            self._emit(text[:end])
         if self._copy is not None:
             self._copy.write(s)
         return len(s)
 
+    def _emit(self, text: str) -> None:
+        if self._tag:
+            lines = text.splitlines(keepends=True)
+            text = "".join(self._tag + line if i or self._at_start else line for i, line in enumerate(lines))
+        self._at_start = text.endswith("\n")
+        self._target.write(text)
+
     def flush(self) -> None:
+        if self._partial:  # a line without its end yet (a progress bar): out as it is
+            self._emit(self._partial)
+            self._partial = ""
         self._target.flush()
         if self._copy is not None:
             self._copy.flush()

@@ -263,5 +263,6 @@ def test_launch_prefixes_each_ranks_lines_and_keeps_a_log_per_rank(tmp_path: Pat
         "[rank0]: on stderr", "[rank1]: on stderr"]
     for r in (0, 1):
         assert (tmp_path / "logs" / f"rank{r}.log").read_text() == f"hello from {r}\non stderr\n"
-    plain = job("default")  # a pipe, not a terminal: left as it is
-    assert plain.returncode == 0 and sorted(plain.stdout.splitlines()) == ["hello from 0", "hello from 1"]
+    plain = job("default")  # a pipe, not a terminal: left as it is (two processes' prints may interleave)
+    assert plain.returncode == 0 and "[rank" not in plain.stdout + plain.stderr
+    assert "hello from 0" in plain.stdout and "hello from 1" in plain.stdout
