@@ -22,14 +22,15 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from ._calls import CallSpec, Op
-from ._errors import CommunicatorStateError, PeerError
-from ._rendezvous import Seat
+from ._errors import CommunicatorStateError, DistCommError, PeerError
+from ._rendezvous import Seat, admitted_key, admitted_seat, refused_key
 from ._waits import HOSTS_LOST, LOSS_SECONDS, alive, tcp_store
 
 if TYPE_CHECKING:
     from ._torch import _TorchCommunicator
 
-__all__ = ["BEAT_SECONDS", "LOSS_SECONDS", "Membership", "admission", "keep_alive", "survivors"]
+__all__ = ["BEAT_SECONDS", "LOSS_SECONDS", "Membership", "admission", "job_pids", "keep_alive", "reformed",
+           "shrink_begun", "survivors"]
 
 BEAT_SECONDS = 0.5
 """How often a process's keep-alive beat moves in the job's store."""
@@ -226,7 +227,10 @@ def _agree(seat: Seat, base: str, members: tuple[int, ...], pids: dict[int, int]
     member makes a few store calls a second, and only the leader's grow with the world size."""
     job = _checked(seat)
     me = seat.job_rank
-    job.set(f"{base}/here/{me}", seat.token)
+    try:
+        job.set(f"{base}/here/{me}", seat.token)
+    except Exception as e:
+        raise _store_lost(seat) from e
     beats: dict[int, tuple[bytes, float]] = {}
     next_look = 0.0
     while True:
@@ -252,6 +256,11 @@ def _agree(seat: Seat, base: str, members: tuple[int, ...], pids: dict[int, int]
             proposal = f"epoch-{job.add('epochs', 1)}:{','.join(map(str, present))}"
             return _decision(job.compare_set(f"{base}/decision", "", proposal).decode())
         time.sleep(LEADER_POLL_SECONDS)
+
+
+def shrink_begun(job: Any, epoch: str) -> bool:
+    """Whether a member has begun to agree on the survivors of membership ``epoch``."""
+    return bool(job.check([f"{epoch}/shrink/leader"]))
 
 
 def _decision(text: str) -> tuple[str, tuple[int, ...]]:
@@ -290,78 +299,120 @@ def _store_lost(seat: Seat) -> PeerError:
 
 
 # ---------------------------------------------------------------- admission
-def waiting_newcomers(seat: Seat, members: Iterable[int]) -> tuple[dict[int, str], dict[int, str]]:
-    """Processes waiting in the job's open round: (job rank -> token) to let in, and (job rank ->
-    why) to refuse: a rank that is a member and alive."""
+def waiting_newcomers(seat: Seat, members: Iterable[int]) -> tuple[str, dict[int, str], dict[int, tuple[str, str]]]:
+    """The job's open round and the processes waiting in it: (job rank -> token) to let in, and
+    (job rank -> (token, why)) to refuse: a process started as a rank that is a member and alive."""
     job = _checked(seat)
-    number = int(job.add("round", 0))
-    rnd = f"round-{number}"
+    rnd = f"round-{int(job.add('round', 0))}"
     world = int(job.get(f"{rnd}/world")) if job.check([f"{rnd}/world"]) else 0
     members = set(members)
     newcomers: dict[int, str] = {}
-    refused: dict[int, str] = {}
+    refused: dict[int, tuple[str, str]] = {}
     for r in range(world):
         if not job.check([f"{rnd}/rank/{r}"]):
             continue
         token = job.get(f"{rnd}/rank/{r}").decode()
-        if not token or job.check([f"{rnd}/admitted/{r}"]) or job.check([f"{rnd}/refused/{r}"]):
+        if not token or job.check([f"{rnd}/{admitted_key(r, token)}"]) or job.check([f"{rnd}/{refused_key(r, token)}"]):
             continue
         if r in members:
-            refused[r] = (f"rank {r} of the job is a member and alive; this process ({token}) was started as "
-                          f"rank {r} too: a replacement takes the rank of a lost one")
+            refused[r] = (token, f"rank {r} of the job is a member and alive; this process ({token}) was started "
+                                 f"as rank {r} too: a replacement takes the rank of a lost one")
         else:
             newcomers[r] = token
-    return newcomers, refused
+    return rnd, newcomers, refused
 
 
-def let_in(seat: Seat, epoch: str, members: tuple[int, ...], newcomers: dict[int, str],
-           refused: dict[int, str]) -> None:
-    """Write the new membership, then tell each newcomer (and each refused process) where it stands."""
+def _decide(seat: Seat, members: tuple[int, ...]) -> tuple[str, tuple[int, ...]]:
+    """Rank 0's part of an admit: the new membership's epoch and who comes in ("" and none when no
+    one waits, or when a shrink of this membership began first). It is written down and claimed
+    as this membership's successor before anyone is told, so that members who fail the admit's
+    broadcast (a rank died in it) find it and agree within it, with those who got it."""
     job = seat.job
-    number = int(job.add("round", 0))
-    rnd = f"round-{number}"
-    job.set(f"{epoch}/members", ",".join(map(str, members)))
+    rnd, newcomers, refused = waiting_newcomers(seat, members)
+    for r, (token, why) in refused.items():
+        job.set(f"{rnd}/{refused_key(r, token)}", why)
+    if not newcomers:
+        return "", ()
+    epoch = f"epoch-{job.add('epochs', 1)}"
+    job.set(f"{epoch}/members", ",".join(map(str, sorted((*members, *newcomers)))))
     job.set(f"{epoch}/admitted", ",".join(map(str, sorted(newcomers))))
-    for r, why in refused.items():
-        job.set(f"{rnd}/refused/{r}", why)
+    job.set(f"{epoch}/round", rnd)
     for r, token in newcomers.items():
-        if job.compare_set(f"{rnd}/rank/{r}", token, "").decode() == "":  # its place is free again
+        job.set(f"{epoch}/token/{r}", token)
+    if job.compare_set(f"{seat.epoch}/successor", "", f"admit:{epoch}").decode() != f"admit:{epoch}":
+        return "", ()
+    tell_newcomers(job, epoch)
+    return epoch, tuple(sorted(newcomers))
+
+
+def tell_newcomers(job: Any, epoch: str) -> None:
+    """Let the newcomers of membership ``epoch`` in: each leaves its wait in the round, and its
+    place there is freed (the round counts only processes still waiting). Done again by any member
+    that finds the membership after a lost rank 0 (which may have told only some); the place is
+    freed once."""
+    rnd = job.get(f"{epoch}/round").decode()
+    for r in _ranks_in(job.get(f"{epoch}/admitted")):
+        token = job.get(f"{epoch}/token/{r}").decode()
+        job.set(f"{rnd}/{admitted_key(r, token)}", epoch)
+        if job.add(f"{epoch}/told/{r}", 1) == 1 and job.compare_set(f"{rnd}/rank/{r}", token, "").decode() == "":
             job.add(f"{rnd}/count", -1)
-        job.set(f"{rnd}/admitted/{r}", epoch)
+
+
+def _ranks_in(text: bytes) -> tuple[int, ...]:
+    return tuple(int(r) for r in text.decode().split(",") if r)
 
 
 # ---------------------------------------------------------------- the two calls
 def survivors(comm: _TorchCommunicator, seconds: float | None) -> tuple[Seat, tuple[int, ...]]:
     """``comm.shrink()``'s agreement: the seat of the survivors' membership, and the job ranks lost.
     ``comm`` is let go of first: its connections close, so ranks still waiting in the failed call
-    fail now too."""
+    fail now too.
+
+    Where an admit had already made this membership's successor (some members got its decision,
+    others failed it), the survivors are those of the admit's membership, newcomers included."""
     seat = _job_seat(comm, "shrink")
-    members = comm.membership.job_ranks
-    pids = {members[r]: pid for r, pid in comm._peer_pids.items()}
+    pids = job_pids(comm)
     comm._abandon()
-    epoch, alive = agree_on_survivors(seat, members, pids, _bounded(seconds))
-    lost = tuple(r for r in members if r not in alive)
-    return dataclasses.replace(seat, epoch=epoch, members=alive, admitted=()), lost
+    try:
+        successor = _checked(seat).compare_set(f"{seat.epoch}/successor", "", "shrink").decode()
+        if successor.startswith("admit:"):
+            epoch = successor.partition(":")[2]
+            tell_newcomers(seat.job, epoch)
+            seat = admitted_seat(seat.job, epoch, seat.job_rank, seat.token, seat.where, hosted=seat.hosted)
+    except DistCommError:
+        raise
+    except Exception as e:
+        raise _store_lost(seat) from e
+    new, lost = reformed(seat, pids, _bounded(seconds))
+    return (new if successor.startswith("admit:") else dataclasses.replace(new, admitted=())), lost
+
+
+def job_pids(comm: _TorchCommunicator) -> dict[int, int]:
+    """The pids of ``comm``'s members on this machine, by job rank."""
+    members = comm.membership.job_ranks
+    return {members[r]: pid for r, pid in comm._peer_pids.items()}
+
+
+def reformed(seat: Seat, pids: dict[int, int], seconds: float) -> tuple[Seat, tuple[int, ...]]:
+    """The seat of the survivors of ``seat``'s membership (one that broke, or whose group failed to
+    form), and the job ranks lost."""
+    epoch, alive = agree_on_survivors(seat, seat.members, pids, seconds)
+    lost = tuple(r for r in seat.members if r not in alive)
+    admitted = tuple(r for r in seat.admitted if r in alive)
+    return dataclasses.replace(seat, epoch=epoch, members=alive, admitted=admitted), lost
 
 
 def admission(comm: _TorchCommunicator, seconds: float | None) -> Seat | None:
     """``comm.admit()``'s agreement (a collective): the seat of the membership with the newcomers
-    in, or None when no one waits. Rank 0 looks; every member gets its answer in one broadcast."""
+    in, or None when no one comes in. Rank 0 decides; every member gets its answer in one broadcast."""
     seat = comm._seat
     assert seat is not None
     members = comm.membership.job_ranks
-    decision: tuple[str, dict[int, str], dict[int, str]] | None = None
-    if comm.rank == 0:
-        newcomers, refused = waiting_newcomers(seat, members)
-        epoch = f"epoch-{seat.job.add('epochs', 1)}" if newcomers else ""
-        decision = (epoch, newcomers, refused)
-    epoch, newcomers, refused = comm._run(CallSpec(Op.ADMIT, 0, decision, seconds))[0]
-    everyone = tuple(sorted((*members, *newcomers)))
-    if comm.rank == 0 and (newcomers or refused):
-        let_in(seat, epoch, everyone, newcomers, refused)
+    decision = _decide(seat, members) if comm.rank == 0 else None
+    epoch, newcomers = comm._run(CallSpec(Op.ADMIT, 0, decision, seconds))[0]
     if not newcomers:
         return None
-    return dataclasses.replace(seat, epoch=epoch, members=everyone, admitted=tuple(sorted(newcomers)))
+    return dataclasses.replace(seat, epoch=epoch, members=tuple(sorted((*members, *newcomers))), admitted=newcomers)
 
 
 def _job_seat(comm: _TorchCommunicator, op: str) -> Seat:

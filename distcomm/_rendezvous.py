@@ -35,7 +35,8 @@ import torch
 
 from ._errors import CollectiveTimeoutError, CommunicatorStateError, DistCommError, PeerError
 
-__all__ = ["Seat", "meet", "parse_url", "serve_store", "unreachable_here", "unresolved"]
+__all__ = ["Seat", "admitted_key", "admitted_seat", "meet", "parse_url", "refused_key", "serve_store",
+           "unreachable_here", "unresolved"]
 
 POLL_FIRST, POLL_LAST = 0.01, 0.5
 """Seconds between looks at the store while a process waits for its round: soon at first (ranks
@@ -77,6 +78,11 @@ class Seat:
     def store(self) -> Any:
         """The store the group of this membership keeps its keys in."""
         return _c10d().PrefixStore(self.epoch, self.job)
+
+    @property
+    def default_store(self) -> Any:
+        """The keys of this membership's default group, as torch's ``init_process_group`` prefixes them."""
+        return _c10d().PrefixStore("default_pg", self.store)
 
     @property
     def rank(self) -> int:
@@ -147,17 +153,17 @@ def _wait_for_round(job: Any, number: int, rank: int, world: int, token: str, de
     pause = POLL_FIRST
     try:  # looked at, not waited on: a timed-out wait fills the output with torch's C++ warnings
         while True:
-            found = [k for k in ("complete", f"admitted/{rank}", f"refused/{rank}") if rnd.check([k])]
+            found = [k for k in ("complete", admitted_key(rank, token), refused_key(rank, token)) if rnd.check([k])]
             if found or time.monotonic() > deadline:
                 break
             time.sleep(pause)
             pause = min(pause * 1.5, POLL_LAST)
     except Exception:
         raise _missing(rnd, rank, world, seconds, where) from None
-    if f"refused/{rank}" in found:
-        raise ValueError(f"{where}: {rnd.get(f'refused/{rank}').decode()}")
-    if f"admitted/{rank}" in found:
-        return admitted_seat(job, rnd.get(f"admitted/{rank}").decode(), rank, token, where)
+    if refused_key(rank, token) in found:
+        raise ValueError(f"{where}: {rnd.get(refused_key(rank, token)).decode()}")
+    if admitted_key(rank, token) in found:
+        return admitted_seat(job, rnd.get(admitted_key(rank, token)).decode(), rank, token, where)
     if not found:
         raise _missing(rnd, rank, world, seconds, where)
     if rnd.get(f"rank/{rank}").decode() != token:
@@ -167,11 +173,22 @@ def _wait_for_round(job: Any, number: int, rank: int, world: int, token: str, de
     return Seat(job, f"round-{number}", rank, tuple(range(world)), token, where, True)
 
 
-def admitted_seat(job: Any, epoch: str, rank: int, token: str, where: str) -> Seat:
-    """The seat of a process that ``admit()`` let into membership ``epoch``."""
+def admitted_key(rank: int, token: str) -> str:
+    """The key, in a round, that lets the process ``token`` in as ``rank`` (its value: the epoch).
+    Keyed by process: a later replacement of the same rank waits for its own."""
+    return f"admitted/{rank}/{token}"
+
+
+def refused_key(rank: int, token: str) -> str:
+    """The key, in a round, that refuses the process ``token`` (its value: why)."""
+    return f"refused/{rank}/{token}"
+
+
+def admitted_seat(job: Any, epoch: str, rank: int, token: str, where: str, *, hosted: bool = True) -> Seat:
+    """The seat of a process in the membership ``epoch`` that an ``admit()`` made."""
     members = tuple(int(r) for r in job.get(f"{epoch}/members").decode().split(","))
     admitted = tuple(int(r) for r in job.get(f"{epoch}/admitted").decode().split(",") if r)
-    return Seat(job, epoch, rank, members, token, where, True, admitted)
+    return Seat(job, epoch, rank, members, token, where, hosted, admitted)
 
 
 def _missing(rnd: Any, rank: int, world: int, seconds: float, where: str) -> DistCommError:

@@ -22,9 +22,10 @@ import torch.distributed as dist
 
 from ._communicator import DEFAULT_TIMEOUT
 from ._defaults import set_default
-from ._errors import CommunicatorStateError
+from ._errors import CommunicatorStateError, PeerError
+from ._forming import FormingFailed, WatchedStore, publish_pid
 from ._launchers import LaunchEnv
-from ._membership import keep_alive
+from ._membership import keep_alive, reformed, shrink_begun
 from ._memory import seconds as _seconds
 from ._messages import settle_limit
 from ._rendezvous import Seat, meet, parse_url, unreachable_here, unresolved
@@ -105,25 +106,48 @@ def start_world(
 
 
 def start_seat(cls: type[_TorchCommunicator], seat: Seat, *, timeout: float | datetime.timedelta | None,
-               lost: tuple[int, ...] = (), **kwargs: Any) -> Any:
+               lost: tuple[int, ...] = (), pids: dict[int, int] | None = None, **kwargs: Any) -> Any:
     """The default group of the membership ``seat`` names, and a ``cls`` communicator that owns it.
 
-    Also where a shrink or an admit ends: each makes a new membership, and its group afresh. If the
-    communicator can't be built, the group is destroyed again."""
+    Also where a shrink or an admit ends: each makes a new membership, and its group afresh. A
+    member lost while that group forms makes the others agree on the survivors and form again (in
+    the job's first round, where every rank must be there, it is an error naming it). ``pids`` are
+    the members' pids this machine already knows (job rank -> pid)."""
     seconds = _seconds(timeout, DEFAULT_TIMEOUT)
     assert seconds is not None
+    pids = dict(pids or {})
+    while True:
+        store = WatchedStore(seat, pids)
+        try:
+            return _form(cls, seat, store, seconds, lost, timeout=timeout, **kwargs)
+        except BaseException as e:
+            failure = store.failure or _members_lost(store, e)
+            if failure is None:
+                raise
+        pids = store.known_pids()
+        if seat.epoch.startswith("round-"):
+            raise PeerError(f"{seat.where}: {failure}; the job's ranks must all start before it can lose one",
+                            op="rendezvous", ranks=list(failure.lost))
+        seat, more = reformed(seat, pids, seconds)
+        lost += more
+
+
+def _form(cls: type[_TorchCommunicator], seat: Seat, store: WatchedStore, seconds: float,
+          lost: tuple[int, ...], **kwargs: Any) -> Any:
+    """One try at the membership's group, over ``store``; undone if it fails."""
     td = datetime.timedelta(seconds=seconds)
     rank, world = seat.rank, len(seat.members)
     keep_alive.follow(seat)
     try:
+        publish_pid(seat)
         if cls.backend == "nccl":
             device = kwargs["device"]
             torch.cuda.set_device(device)
-            dist.init_process_group("nccl", store=seat.store, rank=rank, world_size=world, timeout=td,
-                                    device_id=device)
+            dist.init_process_group("nccl", store=store, rank=rank, world_size=world, timeout=td, device_id=device)
         else:
-            dist.init_process_group("gloo", store=seat.store, rank=rank, world_size=world, timeout=td)
-        comm = cls(None, timeout=timeout, _owns_default=True, **kwargs)
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=td)
+        comm = cls(None, _owns_default=True, **kwargs)
+        comm._store = seat.default_store  # the same keys, asked without Python
         comm._machines_declared = True  # the job's launcher knows its machines (the reference's launch())
         comm._store_by_rank0 = seat.hosted and seat.members[0] == 0  # job rank 0 serves it, if still here
         comm._seat = seat
@@ -136,7 +160,24 @@ def start_seat(cls: type[_TorchCommunicator], seat: Seat, *, timeout: float | da
         keep_alive.stop()  # no beat for a membership whose group never formed
         if dist.is_initialized():
             dist.destroy_process_group()
+        else:  # torch counted a group that never formed: the next try's must have the name the others give it
+            dist.distributed_c10d._world.group_count = 0
         raise
+
+
+def _members_lost(store: WatchedStore, error: BaseException) -> FormingFailed | None:
+    """Why a try at a group failed, where the membership broke: members found gone (one that died
+    after it wrote its address fails the others' connections to it, not their waits), or a peer
+    that left the set-up's first collective to agree on the survivors. None for any other
+    failure, and for Ctrl-C."""
+    if not isinstance(error, Exception):
+        return None
+    try:
+        gone = store.lost()
+        broken = bool(gone) or isinstance(error, PeerError) or shrink_begun(store.seat.job, store.seat.epoch)
+    except Exception:
+        return None
+    return FormingFailed(gone) if broken else None
 
 
 def _close_at_exit(ref: weakref.ref[_TorchCommunicator]) -> None:

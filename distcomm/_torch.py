@@ -200,8 +200,9 @@ class _TorchCommunicator(Communicator):
         if os.getpid() != self._pid:  # (a broken or closed one may shrink: that is what it is for)
             self._check_usable()
         settings = self._rebuild_settings()
+        pids = _membership.job_pids(self)
         seat, lost = _membership.survivors(self, self._op_timeout(timeout))
-        return self._succeeded_by(start_seat(type(self), seat, lost=lost, **settings))
+        return self._succeeded_by(start_seat(type(self), seat, lost=lost, pids=pids, **settings))
 
     def admit(self, *, timeout: float | datetime.timedelta | None = None) -> Communicator:
         self._check_usable()
@@ -211,9 +212,10 @@ class _TorchCommunicator(Communicator):
         if seat is None:
             return self
         settings = self._rebuild_settings()
+        pids = _membership.job_pids(self)
         self._retire_subs("admit")
         self.close()
-        return self._succeeded_by(start_seat(type(self), seat, **settings))
+        return self._succeeded_by(start_seat(type(self), seat, pids=pids, **settings))
 
     def _succeeded_by(self, new: Communicator) -> Communicator:
         self._successor = new  # use(self) follows it

@@ -21,18 +21,18 @@ import sys
 import textwrap
 import time
 from pathlib import Path
-from typing import Any
 
 import distcomm
 from distcomm._rendezvous import serve_store
 
 RANK_PROGRAM = textwrap.dedent("""
-    import json, os, random, signal, sys, threading, time
+    import faulthandler, json, os, random, signal, sys, threading, time
     import torch
     import distcomm
 
     seed, steps, world = int(sys.argv[1]), int(sys.argv[2]), int(os.environ["WORLD_SIZE"])
     kill_after, kill_in = float(os.environ.get("KILL_AFTER", "-1")), os.environ.get("KILL_IN", "")
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # where a hung process stands: the driver asks
     comm = distcomm.from_env(timeout=60)
     die = lambda: os.kill(os.getpid(), signal.SIGKILL)
     timer = threading.Timer(kill_after, die)
@@ -73,7 +73,10 @@ RANK_PROGRAM = textwrap.dedent("""
 
     def agree_on_step(comm, step):
         src = first_member(comm)
-        return comm.broadcast(step if comm.rank == src else None, src=src)
+        step = comm.broadcast(step if comm.rank == src else None, src=src)
+        print(f"event: step {step} members {list(comm.membership.job_ranks)} at {time.time():.2f}", file=sys.stderr,
+              flush=True)  # the history a hang is judged by
+        return step
 
     step, shrinks, admits = 0, 0, 0
     if comm.membership.admitted:
@@ -136,25 +139,68 @@ def run_job(tmp: Path, world: int, seed: int, steps: int = 300, bound: float = 1
     port = distcomm.free_port()
     store = serve_store(f"tcp://127.0.0.1:{port}", world, bound)
     plan = _plan(rng, world)
-    procs: dict[int, subprocess.Popen[str]] = {r: _start(script, r, world, port, seed, steps, plan.get(r, {}))
-                                               for r in range(world)}
-    replacements: dict[int, subprocess.Popen[str]] = {}
+    procs = {r: _Process.start(script, f"rank {r}", r, world, port, seed, steps, plan.get(r, {})) for r in range(world)}
+    replacements: dict[int, _Process] = {}
     kills = 0
     deadline = time.monotonic() + bound
     try:
-        while time.monotonic() < deadline and any(p.poll() is None for p in [*procs.values(), *replacements.values()]):
+        while time.monotonic() < deadline and any(p.running() for p in [*procs.values(), *replacements.values()]):
             for r, p in procs.items():
-                if p.poll() == -signal.SIGKILL and r not in replacements:
+                if p.popen.poll() == -signal.SIGKILL and r not in replacements:
                     kills += 1
-                    replacements[r] = _start(script, r, world, port, seed, steps, {})
+                    replacements[r] = _Process.start(script, f"replacement of {r}", r, world, port, seed, steps, {})
             time.sleep(0.05)
-        return _judge(procs, replacements, kills, seed, world)
+        everyone = [*procs.values(), *replacements.values()]
+        hung = _stop_hung(everyone)
+        return _judge(everyone, hung, kills, seed, world)
     finally:
         for p in [*procs.values(), *replacements.values()]:
-            if p.poll() is None:
-                p.kill()
-            p.wait(10)
+            p.end()
         del store
+
+
+@dataclasses.dataclass
+class _Process:
+    """One rank's process; its output goes to files (a pipe nobody reads until the end could fill
+    and stop it)."""
+
+    name: str
+    popen: subprocess.Popen[bytes]
+    out: Path
+    err: Path
+
+    @classmethod
+    def start(cls, script: Path, name: str, rank: int, world: int, port: int, seed: int, steps: int,
+              extra: dict[str, str]) -> _Process:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "RANK": str(rank), "WORLD_SIZE": str(world),
+               "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "DISTCOMM_STORE": "external", **extra}
+        stem = script.parent / name.replace(" ", "-")
+        out, err = stem.with_suffix(".out"), stem.with_suffix(".err")
+        with out.open("wb") as o, err.open("wb") as e:
+            popen = subprocess.Popen([sys.executable, str(script), str(seed), str(steps)], env=env,
+                                     cwd=script.parent, stdout=o, stderr=e)
+        return cls(name, popen, out, err)
+
+    def running(self) -> bool:
+        return self.popen.poll() is None
+
+    def end(self) -> None:
+        if self.running():
+            self.popen.kill()
+        self.popen.wait(10)
+
+
+def _stop_hung(everyone: list[_Process]) -> list[_Process]:
+    """The processes still running at the bound, each made to write its threads' stacks (where it
+    hung) and then ended."""
+    hung = [p for p in everyone if p.running()]
+    for p in hung:
+        p.popen.send_signal(signal.SIGUSR1)
+    time.sleep(1.0)
+    for p in hung:
+        p.end()
+    return hung
 
 
 def _plan(rng: random.Random, world: int) -> dict[int, dict[str, str]]:
@@ -173,35 +219,35 @@ def _plan(rng: random.Random, world: int) -> dict[int, dict[str, str]]:
     return plan
 
 
-def _start(script: Path, rank: int, world: int, port: int, seed: int, steps: int,
-           extra: dict[str, str]) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "RANK": str(rank), "WORLD_SIZE": str(world),
-           "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(port), "DISTCOMM_STORE": "external", **extra}
-    return subprocess.Popen([sys.executable, str(script), str(seed), str(steps)], env=env, cwd=script.parent,
-                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-
-
-def _judge(procs: dict[int, Any], replacements: dict[int, Any], kills: int, seed: int, world: int) -> Outcome:
+def _judge(everyone: list[_Process], hung: list[_Process], kills: int, seed: int, world: int) -> Outcome:
     out = Outcome(kills=kills, jobs=1)
     finals = []
-    for name, p in [*((f"rank {r}", p) for r, p in procs.items()),
-                    *((f"replacement of {r}", p) for r, p in replacements.items())]:
-        if p.poll() is None:
+    for p in everyone:
+        stderr = p.err.read_text(errors="replace")
+        if p in hung:
             out.hangs += 1
-            out.details.append(f"seed {seed} world {world}: {name} still running at the bound")
+            out.details.append(f"seed {seed} world {world}: {p.name} still running at the bound; it stood at:\n"
+                               f"{_our_frames(stderr)}")
             continue
-        if p.returncode == -signal.SIGKILL:
+        if p.popen.returncode == -signal.SIGKILL:
             continue
-        stdout, stderr = p.communicate(timeout=10)
-        lines = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
-        if p.returncode != 0 or not lines:
+        lines = [json.loads(line) for line in p.out.read_text().splitlines() if line.startswith("{")]
+        if p.popen.returncode != 0 or not lines:
             out.wrong += 1
-            out.details.append(f"seed {seed} world {world}: {name} exited {p.returncode} after saying {lines[-1:]}: "
-                               f"{stderr[-1500:]}")
+            out.details.append(f"seed {seed} world {world}: {p.name} exited {p.popen.returncode} after saying "
+                               f"{lines[-1:]}: {stderr[-1500:]}")
             continue
         finals.append(lines[-1]["members"])
     if len({json.dumps(f) for f in finals}) > 1:
         out.wrong += 1
         out.details.append(f"seed {seed} world {world}: survivors disagree: {finals}")
     return out
+
+
+def _our_frames(stderr: str) -> str:
+    """The stack dump's lines in distcomm and the rank program (torch's and the standard library's
+    frames say little about where a job hung)."""
+    dump = stderr[stderr.find("hread 0x"):] if "hread 0x" in stderr else stderr[-1500:]
+    keep = [line for line in dump.splitlines() if "hread 0x" in line or "distcomm" in line or "rank.py" in line]
+    events = [line for line in stderr.splitlines() if line.startswith("event: ")]
+    return "\n".join([*events[-6:], *keep[:60]])

@@ -22,7 +22,7 @@ import pytest
 
 import distcomm
 import distcomm.testing
-from distcomm._rendezvous import meet
+from distcomm._rendezvous import meet, serve_store
 
 WAIT = 120.0  # the bound on any one job here: a bug fails the test instead of hanging CI
 
@@ -110,8 +110,9 @@ def test_a_host_name_that_does_not_resolve_is_named_at_once() -> None:
 
 # ---------------------------------------------------------------- whole jobs
 def _job(tmp_path: Path, source: str, world: int, *args: str, ranks: list[int] | None = None,
-         port: int | None = None) -> tuple[int, dict[int, subprocess.Popen[str]]]:
-    """Start ``source`` as ranks ``ranks`` (default: all) of a job of ``world``, as a job controller does."""
+         port: int | None = None, store_apart: bool = False) -> tuple[int, dict[int, subprocess.Popen[str]]]:
+    """Start ``source`` as ranks ``ranks`` (default: all) of a job of ``world``, as a job controller does;
+    with ``store_apart``, the job's store is served elsewhere (on ``port``: see ``_store_apart``)."""
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(source))
     port = port or distcomm.free_port()
@@ -119,7 +120,7 @@ def _job(tmp_path: Path, source: str, world: int, *args: str, ranks: list[int] |
     for r in range(world) if ranks is None else ranks:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "RANK": str(r), "WORLD_SIZE": str(world),
                "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port)}
+               "MASTER_PORT": str(port), **({"DISTCOMM_STORE": "external"} if store_apart else {})}
         procs[r] = subprocess.Popen([sys.executable, str(script), *args], env=env, cwd=tmp_path, text=True,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     return port, procs
@@ -307,6 +308,74 @@ def test_members_admit_a_replacement_into_the_lost_ranks_place(tmp_path: Path) -
         states.append(got["state"])
     assert ended[4][1][-1]["rank"] == 2  # the replacement took the lost rank's place
     assert len({json.dumps(s, sort_keys=True) for s in states}) == 1, states  # one state on every member
+
+
+ADMIT_LOSING = """
+    import json, os, signal, sys, time
+    import distcomm, distcomm._membership, distcomm._start
+
+    def dies_after(fn, when=lambda result: True):
+        def call(*args, **kwargs):
+            result = fn(*args, **kwargs)
+            if when(result):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return result
+        return call
+
+    comm = distcomm.from_env(timeout=60)
+    if sys.argv[1] == "member":
+        try:
+            for step in range(10_000):
+                if step == 3 and comm.rank == 2:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                comm.all_gather(1)
+        except distcomm.DistCommError:
+            comm = comm.shrink()
+        if comm.rank == 0:
+            print(json.dumps({"shrunk": True}), flush=True)  # the test starts the replacement now
+        me = comm.membership.job_ranks[comm.rank]
+        if sys.argv[2] == "forming" and me == 3:  # dies as the admit's group forms, before it writes a key
+            distcomm._start.publish_pid = dies_after(lambda seat: None)
+        if sys.argv[2] == "deciding" and me == 0:  # decides, tells the newcomer, and dies before the broadcast
+            distcomm._membership._decide = dies_after(distcomm._membership._decide, lambda decision: decision[1])
+        while True:
+            try:
+                new = comm.admit()
+            except distcomm.DistCommError:
+                new = comm.shrink()
+            if new is not comm:
+                break
+            comm.all_gather(1)
+            time.sleep(0.02)
+        comm = new
+    m = comm.membership
+    print(json.dumps({"members": m.job_ranks, "lost": m.lost, "admitted": m.admitted,
+                      "gathered": comm.all_gather(m.job_ranks[comm.rank])}), flush=True)
+    comm.close()
+"""
+
+
+@pytest.mark.parametrize(("where", "victim"), [("forming", 3), ("deciding", 0)])
+def test_a_member_lost_inside_an_admit_leaves_the_others_and_the_newcomer_together(
+        tmp_path: Path, where: str, victim: int) -> None:
+    """A member that dies as the admit's group forms (its address never written), or rank 0 that dies
+    between deciding and telling the members (the newcomer told, the members not): the others and
+    the newcomer agree on the survivors of the admit's membership instead of waiting out the timeout."""
+    port = distcomm.free_port()
+    store = serve_store(f"tcp://127.0.0.1:{port}", 4, WAIT)
+    _, procs = _job(tmp_path, ADMIT_LOSING, 4, "member", where, port=port, store_apart=True)
+    first = procs[0].stdout.readline() if procs[0].stdout else ""
+    assert json.loads(first) == {"shrunk": True}, first
+    _, newcomer = _job(tmp_path, ADMIT_LOSING, 4, "newcomer", where, ranks=[2], port=port, store_apart=True)
+    ended = _ended({**procs, 4: newcomer[2]})
+    assert ended[2][0] == ended[victim][0] == -signal.SIGKILL
+    for r in sorted({0, 1, 3, 4} - {victim}):
+        code, lines, err = ended[r]
+        open("/tmp/exp/ended.json", "w").write(json.dumps(ended))
+        assert code == 0, (r, err)
+        assert lines[-1] == {"members": sorted({0, 1, 2, 3} - {victim}), "lost": [victim], "admitted": [2],
+                             "gathered": sorted({0, 1, 2, 3} - {victim})}, (r, lines, err)
+    del store
 
 
 SOME_ADMIT = """
