@@ -5,13 +5,18 @@ A member that dies before writing its own leaves the others waiting until the ti
 failing with a raw store error; in a shrink or an admit, where members die most, that is a minute
 lost and a job ended. Here the group forms over ``WatchedStore``, whose waits look at the members
 between looks at the keys: a member found gone, or a shrink of the membership begun elsewhere,
-ends the wait at once, and ``start_seat`` then agrees on the survivors and forms again.
+ends the wait at once, and ``start_seat`` then agrees on the survivors and forms again. A member
+that dies after writing its address is met by the group's first calls instead (see
+``connecting_lazily``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -20,9 +25,9 @@ from ._membership import shrink_begun
 from ._rendezvous import Seat
 from ._waits import HOSTS_LOST, alive, process_id
 
-_c10d: Any = torch._C._distributed_c10d
+__all__ = ["FormingFailed", "WatchedStore", "connecting_lazily", "publish_pid"]
 
-__all__ = ["FormingFailed", "WatchedStore", "publish_pid"]
+_c10d: Any = torch._C._distributed_c10d
 
 LOOK_SECONDS = 0.2
 """How often a wait that has not ended looks at the members."""
@@ -36,6 +41,30 @@ class FormingFailed(Exception):
         super().__init__(f"job rank(s) {', '.join(map(str, lost))} gone while the group formed" if lost else
                          "a shrink of this membership began while its group formed")
         self.lost = lost
+
+
+@contextlib.contextmanager
+def connecting_lazily(lazily: bool) -> Iterator[None]:
+    """Gloo groups made inside connect each pair of ranks on its first use rather than all at
+    once (torch's ``TORCH_GLOO_LAZY_INIT``). Gloo retries a connection to a process that is gone
+    for five times the group's timeout, in C++ where nothing can cut it short; a shrink's or an
+    admit's group, where members die most, makes its connections inside its first calls
+    instead, whose waits watch the peers and give up on a dead one at once."""
+    if not lazily:
+        yield
+        return
+    before = os.environ.get(_LAZY)
+    os.environ[_LAZY] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[_LAZY]
+        else:
+            os.environ[_LAZY] = before
+
+
+_LAZY = "TORCH_GLOO_LAZY_INIT"
 
 
 def publish_pid(seat: Seat) -> None:

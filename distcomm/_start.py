@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import datetime
 import os
 import socket
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from ._communicator import DEFAULT_TIMEOUT
 from ._defaults import set_default
 from ._errors import CommunicatorStateError, PeerError
-from ._forming import FormingFailed, WatchedStore, publish_pid
+from ._forming import FormingFailed, WatchedStore, connecting_lazily, publish_pid
 from ._launchers import LaunchEnv
 from ._membership import keep_alive, reformed, shrink_begun
 from ._memory import seconds as _seconds
@@ -121,6 +122,7 @@ def start_seat(cls: type[_TorchCommunicator], seat: Seat, *, timeout: float | da
         try:
             return _form(cls, seat, store, seconds, lost, timeout=timeout, **kwargs)
         except BaseException as e:
+            _FAILED_TRIES.append(e)  # (see _FAILED_TRIES)
             failure = store.failure or _members_lost(store, e)
             if failure is None:
                 raise
@@ -130,6 +132,15 @@ def start_seat(cls: type[_TorchCommunicator], seat: Seat, *, timeout: float | da
                             op="rendezvous", ranks=list(failure.lost))
         seat, more = reformed(seat, pids, seconds)
         lost += more
+
+
+_FAILED_TRIES: list[Any] = []
+"""The errors of tries at a group that failed, kept for the life of the process with all they hold
+(the try's frames, its half-built communicator and groups). Freeing a gloo group joins its worker
+threads, and one of those may be waiting for the interpreter's lock to ask the store a question
+(a lazily made connection): freed on the thread that holds that lock, the process would hang.
+Not even at exit (the interpreter's teardown would free them)."""
+ctypes.pythonapi.Py_IncRef(ctypes.py_object(_FAILED_TRIES))
 
 
 def _form(cls: type[_TorchCommunicator], seat: Seat, store: WatchedStore, seconds: float,
@@ -145,8 +156,11 @@ def _form(cls: type[_TorchCommunicator], seat: Seat, store: WatchedStore, second
             torch.cuda.set_device(device)
             dist.init_process_group("nccl", store=store, rank=rank, world_size=world, timeout=td, device_id=device)
         else:
-            dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=td)
-        comm = cls(None, _owns_default=True, **kwargs)
+            with connecting_lazily(not seat.epoch.startswith("round-")):
+                dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=td)
+        pids = store.known_pids()
+        comm = cls(None, _owns_default=True, _pids={i: pids[r] for i, r in enumerate(seat.members) if r in pids},
+                   **kwargs)
         comm._store = seat.default_store  # the same keys, asked without Python
         comm._machines_declared = True  # the job's launcher knows its machines (the reference's launch())
         comm._store_by_rank0 = seat.hosted and seat.members[0] == 0  # job rank 0 serves it, if still here
@@ -159,6 +173,7 @@ def _form(cls: type[_TorchCommunicator], seat: Seat, store: WatchedStore, second
     except BaseException:
         keep_alive.stop()  # no beat for a membership whose group never formed
         if dist.is_initialized():
+            _FAILED_TRIES.append(dist.distributed_c10d._get_default_group())  # (see _FAILED_TRIES)
             dist.destroy_process_group()
         else:  # torch counted a group that never formed: the next try's must have the name the others give it
             dist.distributed_c10d._world.group_count = 0

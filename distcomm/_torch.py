@@ -114,6 +114,7 @@ class _TorchCommunicator(Communicator):
         machine: str | int | None = None,
         _owns_default: bool = False,
         _order: Sequence[int] | None = None,
+        _pids: dict[int, int] | None = None,
     ) -> None:
         super().__init__(timeout=timeout, serializer=serializer, max_bytes=max_bytes, slot_bytes=slot_bytes,
                          receive_cuda_on=receive_cuda_on)
@@ -157,7 +158,7 @@ class _TorchCommunicator(Communicator):
         except Exception:  # a store is only used to name missing ranks after a failure
             self._store = None
         self._token = ""
-        self._peer_pids: dict[int, int] = {}  # same-machine peers' pids, from set-up
+        self._peer_pids: dict[int, int] = dict(_pids or {})  # same-machine peers' pids (set-up learns them all)
         self._local_group: Any = self._group
         # the header exchange's blocks, this rank's block and the groups it gathers and broadcasts
         # in (see _header_exchange); until set-up has made them, one block: the whole group
