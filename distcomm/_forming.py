@@ -4,28 +4,32 @@ torch forms a group in the store: each rank writes its address and waits for eve
 A member that dies before writing its own leaves the others waiting until the timeout, and then
 failing with a raw store error; in a shrink or an admit, where members die most, that is a minute
 lost and a job ended. Here the group forms over ``WatchedStore``, whose waits look at the members
-between looks at the keys: a member found gone, or a shrink of the membership begun elsewhere,
-ends the wait at once, and ``start_seat`` then agrees on the survivors and forms again. A member
-that dies after writing its address is met by the group's first calls instead (see
-``connecting_lazily``).
+between looks at the keys: a member found gone (by its pid on this machine, or by the keep-alive
+across machines), or a shrink of the membership begun elsewhere, ends the wait, and
+``start_seat`` then agrees on the survivors and forms again. A member that dies after writing
+its address is met by the group's first calls instead (see ``connecting_lazily``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime
 import os
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from ._errors import CollectiveTimeoutError, PeerError
 from ._membership import shrink_begun
 from ._rendezvous import Seat
 from ._waits import HOSTS_LOST, alive, process_id
 
-__all__ = ["FormingFailed", "WatchedStore", "connecting_lazily", "publish_pid"]
+__all__ = ["FormingFailed", "WatchedStore", "connecting_lazily", "native_store", "publish_pid"]
 
 _c10d: Any = torch._C._distributed_c10d
 
@@ -33,38 +37,14 @@ LOOK_SECONDS = 0.2
 """How often a wait that has not ended looks at the members."""
 
 
-class FormingFailed(Exception):
-    """A wait of the group's formation ended because the membership broke: ``lost`` (job ranks) are
-    gone, or (none lost) a shrink of the membership began elsewhere."""
+class FormingFailed(PeerError):
+    """A membership broke while its group formed: ``ranks`` (job ranks) are gone, or (none) the
+    other members already agree on its survivors."""
 
-    def __init__(self, lost: tuple[int, ...]) -> None:
-        super().__init__(f"job rank(s) {', '.join(map(str, lost))} gone while the group formed" if lost else
-                         "a shrink of this membership began while its group formed")
-        self.lost = lost
-
-
-@contextlib.contextmanager
-def connecting_lazily(lazily: bool) -> Iterator[None]:
-    """Gloo groups made inside connect each pair of ranks on its first use rather than all at
-    once (torch's ``TORCH_GLOO_LAZY_INIT``). Gloo retries a connection to a process that is gone
-    for five times the group's timeout, in C++ where nothing can cut it short; a shrink's or an
-    admit's group, where members die most, makes its connections inside its first calls
-    instead, whose waits watch the peers and give up on a dead one at once."""
-    if not lazily:
-        yield
-        return
-    before = os.environ.get(_LAZY)
-    os.environ[_LAZY] = "1"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[_LAZY]
-        else:
-            os.environ[_LAZY] = before
-
-
-_LAZY = "TORCH_GLOO_LAZY_INIT"
+    def __init__(self, seat: Seat, lost: tuple[int, ...]) -> None:
+        what = (f"job rank(s) {', '.join(map(str, lost))} ended while the group of {seat.epoch} formed" if lost
+                else f"the other members began to agree on {seat.epoch}'s survivors while its group formed")
+        super().__init__(what, op="rendezvous", ranks=lost)
 
 
 def publish_pid(seat: Seat) -> None:
@@ -74,83 +54,128 @@ def publish_pid(seat: Seat) -> None:
 
 class WatchedStore(_c10d.Store):  # type: ignore[misc]
     """The store a membership's group forms in (and its later groups too): the membership's own
-    keys, whose waits end as soon as the membership breaks. torch calls it from C++; every process
-    keeps the ones it made for its life, since torch's groups call it as long as they live."""
+    keys, whose waits end as soon as the membership breaks. torch calls it from C++; the ones made
+    are kept for the life of the process (``_KEPT``), since torch's groups call it as long as they
+    live."""
 
     def __init__(self, seat: Seat, pids: dict[int, int]) -> None:
         super().__init__()
         self.seat = seat
-        self._inner = seat.store
+        self.inner = seat.store
         self._pids = dict(pids)  # job rank -> pid, for members on this machine
         self.failure: FormingFailed | None = None
         _KEPT.append(self)
 
     # the store's calls, as the membership's own store answers them
     def set(self, key: str, value: bytes) -> None:
-        self._inner.set(key, value)
+        self.inner.set(key, value)
 
     def get(self, key: str) -> bytes:
-        return bytes(self._inner.get(key))
+        self.wait([key])  # (NCCL's ranks get their id without waiting for it first)
+        return bytes(self.inner.get(key))
 
     def add(self, key: str, amount: int) -> int:
-        return int(self._inner.add(key, amount))
+        return int(self.inner.add(key, amount))
 
     def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
-        return bytes(self._inner.compare_set(key, expected, desired))
+        return bytes(self.inner.compare_set(key, expected, desired))
 
     def check(self, keys: list[str]) -> bool:
-        return bool(self._inner.check(keys))
+        return bool(self.inner.check(keys))
 
     def delete_key(self, key: str) -> bool:
-        return bool(self._inner.delete_key(key))
+        return bool(self.inner.delete_key(key))
 
     def num_keys(self) -> int:
-        return int(self._inner.num_keys())
+        return int(self.inner.num_keys())
 
     def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
         """Wait for ``keys`` as the store would, looking at the membership between looks at them."""
-        limit = (timeout or self._inner.timeout).total_seconds()
+        limit = (timeout or self.inner.timeout).total_seconds()
         start = time.monotonic()
         pause, next_look = 0.001, start + LOOK_SECONDS
-        while not self._inner.check(keys):
+        while not self.inner.check(keys):
             now = time.monotonic()
             if now - start > limit:
-                raise TimeoutError(f"the group's formation waited {limit:g} s for {keys}")
+                raise CollectiveTimeoutError(
+                    f"{self.seat.where}: the group of {self.seat.epoch} did not form within {limit:g} s: a member "
+                    f"never wrote its address ({', '.join(keys)})", op="rendezvous")
             if now >= next_look:
                 self._look()
                 next_look = now + LOOK_SECONDS
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
 
+    def known_pids(self, *, refresh: bool = False) -> dict[int, int]:
+        """The members' pids found so far (job rank -> pid); with ``refresh``, read again first."""
+        if refresh:
+            self._read_pids()
+        return dict(self._pids)
+
     def lost(self) -> tuple[int, ...]:
         """The members found gone now (job ranks)."""
-        job, epoch = self.seat.job, self.seat.epoch
-        key = f"{epoch}/pids/{_machine()}"
-        if job.check([key]):
-            for entry in job.get(key).decode().split(","):
-                if entry:
-                    rank, _, pid = entry.partition(":")
-                    self._pids[int(rank)] = int(pid)
+        self._read_pids()
         return tuple(r for r in self.seat.members
                      if r in HOSTS_LOST or (r in self._pids and not alive(self._pids[r])))
 
-    def known_pids(self) -> dict[int, int]:
-        """The members' pids found so far (job rank -> pid), for the agreement that follows a failure."""
-        return dict(self._pids)
+    def _read_pids(self) -> None:
+        key = f"{self.seat.epoch}/pids/{_machine()}"
+        if self.seat.job.check([key]):
+            for entry in self.seat.job.get(key).decode().split(","):
+                if entry:
+                    rank, _, pid = entry.partition(":")
+                    self._pids[int(rank)] = int(pid)
 
     def _look(self) -> None:
         lost = self.lost()
         if lost or shrink_begun(self.seat.job, self.seat.epoch):
-            self.failure = FormingFailed(lost)
+            self.failure = FormingFailed(self.seat, lost)
             raise self.failure
 
 
 _KEPT: list[WatchedStore] = []
+ctypes.pythonapi.Py_IncRef(ctypes.py_object(_KEPT))  # not even freed at exit: the groups outlive the interpreter
+
+
+def native_store(store: Any) -> Any:
+    """``store`` (the default group's, as torch hands it out) asked without Python: over a
+    ``WatchedStore``, the same keys in the membership's own store. torch passes a Python store
+    no ``list_keys``, and the store-host watch looks for the TCPStore beneath."""
+    inner = getattr(store, "underlying_store", None)
+    if not isinstance(inner, WatchedStore):
+        return store
+    return _c10d.PrefixStore(f"{dist.distributed_c10d._get_default_group().group_name}/", inner.inner)
+
+
+_LAZY = "TORCH_GLOO_LAZY_INIT"
+_LAZY_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def connecting_lazily(lazily: bool) -> Iterator[None]:
+    """Gloo groups made inside connect each pair of ranks on its first use rather than all at
+    once (torch's ``TORCH_GLOO_LAZY_INIT``, read when a group is made). Gloo retries a connection
+    to a process that is gone for five times the group's timeout, in C++ where nothing can cut it
+    short; a shrink's or an admit's default group, where members die most, makes its connections
+    inside its first calls instead, whose waits watch the peers and give up on a dead one at once.
+    The variable is the process's: another thread making a gloo group meanwhile connects lazily too."""
+    if not lazily:
+        yield
+        return
+    with _LAZY_LOCK:
+        before = os.environ.get(_LAZY)
+        os.environ[_LAZY] = "1"
+        try:
+            yield
+        finally:
+            if os.environ.get(_LAZY) == "1":  # (unless changed meanwhile)
+                if before is None:
+                    del os.environ[_LAZY]
+                else:
+                    os.environ[_LAZY] = before
 
 
 def _machine() -> str:
     """What tells this machine's processes (one pid namespace) from other machines'."""
     boot, namespace, _ = process_id()
     return f"{boot}-{namespace}"
-
-

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from ._torch import _TorchCommunicator
 
 __all__ = ["BEAT_SECONDS", "LOSS_SECONDS", "Membership", "admission", "job_pids", "keep_alive", "reformed",
-           "shrink_begun", "survivors"]
+           "shrink_begun", "successor", "survivors"]
 
 BEAT_SECONDS = 0.5
 """How often a process's keep-alive beat moves in the job's store."""
@@ -327,7 +327,7 @@ def _decide(seat: Seat, members: tuple[int, ...]) -> tuple[str, tuple[int, ...]]
     one waits, or when a shrink of this membership began first). It is written down and claimed
     as this membership's successor before anyone is told, so that members who fail the admit's
     broadcast (a rank died in it) find it and agree within it, with those who got it."""
-    job = seat.job
+    job = _checked(seat)
     rnd, newcomers, refused = waiting_newcomers(seat, members)
     for r, (token, why) in refused.items():
         job.set(f"{rnd}/{refused_key(r, token)}", why)
@@ -354,7 +354,8 @@ def tell_newcomers(job: Any, epoch: str) -> None:
     for r in _ranks_in(job.get(f"{epoch}/admitted")):
         token = job.get(f"{epoch}/token/{r}").decode()
         job.set(f"{rnd}/{admitted_key(r, token)}", epoch)
-        if job.add(f"{epoch}/told/{r}", 1) == 1 and job.compare_set(f"{rnd}/rank/{r}", token, "").decode() == "":
+        job.compare_set(f"{rnd}/rank/{r}", token, "")  # (then counted once: whoever tells first, or again)
+        if job.add(f"{epoch}/told/{r}", 1) == 1:
             job.add(f"{rnd}/count", -1)
 
 
@@ -373,18 +374,28 @@ def survivors(comm: _TorchCommunicator, seconds: float | None) -> tuple[Seat, tu
     seat = _job_seat(comm, "shrink")
     pids = job_pids(comm)
     comm._abandon()
+    seat, via_admit = successor(seat)
+    new, lost = reformed(seat, pids, _bounded(seconds))
+    return (new if via_admit else dataclasses.replace(new, admitted=())), lost
+
+
+def successor(seat: Seat) -> tuple[Seat, bool]:
+    """The membership whose survivors the members of a broken one (``seat``'s) agree on, and
+    whether an admit made it: claimed for the shrink, unless an admit already claimed it as its
+    successor (some members got its decision, others failed it); then the admit's membership,
+    its newcomers told again (rank 0 may have told only some). Every member comes here before it
+    agrees (a shrink's, or a group that failed to form), so all agree on the same one."""
     try:
-        successor = _checked(seat).compare_set(f"{seat.epoch}/successor", "", "shrink").decode()
-        if successor.startswith("admit:"):
-            epoch = successor.partition(":")[2]
-            tell_newcomers(seat.job, epoch)
-            seat = admitted_seat(seat.job, epoch, seat.job_rank, seat.token, seat.where, hosted=seat.hosted)
+        claim = _checked(seat).compare_set(f"{seat.epoch}/successor", "", "shrink").decode()
+        if not claim.startswith("admit:"):
+            return seat, False
+        epoch = claim.partition(":")[2]
+        tell_newcomers(seat.job, epoch)
+        return admitted_seat(seat.job, epoch, seat.job_rank, seat.token, seat.where, hosted=seat.hosted), True
     except DistCommError:
         raise
     except Exception as e:
         raise _store_lost(seat) from e
-    new, lost = reformed(seat, pids, _bounded(seconds))
-    return (new if successor.startswith("admit:") else dataclasses.replace(new, admitted=())), lost
 
 
 def job_pids(comm: _TorchCommunicator) -> dict[int, int]:
@@ -408,7 +419,12 @@ def admission(comm: _TorchCommunicator, seconds: float | None) -> Seat | None:
     seat = comm._seat
     assert seat is not None
     members = comm.membership.job_ranks
-    decision = _decide(seat, members) if comm.rank == 0 else None
+    try:
+        decision = _decide(seat, members) if comm.rank == 0 else None
+    except DistCommError:
+        raise
+    except Exception as e:
+        raise _store_lost(seat) from e
     epoch, newcomers = comm._run(CallSpec(Op.ADMIT, 0, decision, seconds))[0]
     if not newcomers:
         return None

@@ -80,11 +80,6 @@ class Seat:
         return _c10d().PrefixStore(self.epoch, self.job)
 
     @property
-    def default_store(self) -> Any:
-        """The keys of this membership's default group, as torch's ``init_process_group`` prefixes them."""
-        return _c10d().PrefixStore("default_pg", self.store)
-
-    @property
     def rank(self) -> int:
         return self.members.index(self.job_rank)
 

@@ -26,7 +26,7 @@ from ._defaults import set_default
 from ._errors import CommunicatorStateError, PeerError
 from ._forming import FormingFailed, WatchedStore, connecting_lazily, publish_pid
 from ._launchers import LaunchEnv
-from ._membership import keep_alive, reformed, shrink_begun
+from ._membership import keep_alive, reformed, shrink_begun, successor
 from ._memory import seconds as _seconds
 from ._messages import settle_limit
 from ._rendezvous import Seat, meet, parse_url, unreachable_here, unresolved
@@ -111,11 +111,14 @@ def start_seat(cls: type[_TorchCommunicator], seat: Seat, *, timeout: float | da
     """The default group of the membership ``seat`` names, and a ``cls`` communicator that owns it.
 
     Also where a shrink or an admit ends: each makes a new membership, and its group afresh. A
-    member lost while that group forms makes the others agree on the survivors and form again (in
-    the job's first round, where every rank must be there, it is an error naming it). ``pids`` are
-    the members' pids this machine already knows (job rank -> pid)."""
+    membership that breaks while its group forms (a member lost, or the others already agreeing
+    on its survivors) is shrunk like any other, and its survivors form again; no new try starts
+    once the timeout has passed. In the job's first round, where every rank must be there, a lost
+    rank is an error naming it. ``pids`` are the members' pids this machine already knows (job
+    rank -> pid)."""
     seconds = _seconds(timeout, DEFAULT_TIMEOUT)
     assert seconds is not None
+    deadline = time.monotonic() + seconds
     pids = dict(pids or {})
     while True:
         store = WatchedStore(seat, pids)
@@ -123,15 +126,18 @@ def start_seat(cls: type[_TorchCommunicator], seat: Seat, *, timeout: float | da
             return _form(cls, seat, store, seconds, lost, timeout=timeout, **kwargs)
         except BaseException as e:
             _FAILED_TRIES.append(e)  # (see _FAILED_TRIES)
-            failure = store.failure or _members_lost(store, e)
+            failure = _broken(store, e)
             if failure is None:
                 raise
+            if seat.epoch.startswith("round-") or time.monotonic() > deadline:
+                raise PeerError(f"{seat.where}: {failure}" + (
+                    "; the job's ranks must all start before it can lose one" if seat.epoch.startswith("round-")
+                    else f"; no group of the survivors formed within {seconds:g} s"),
+                    op="rendezvous", ranks=failure.ranks) from e
         pids = store.known_pids()
-        if seat.epoch.startswith("round-"):
-            raise PeerError(f"{seat.where}: {failure}; the job's ranks must all start before it can lose one",
-                            op="rendezvous", ranks=list(failure.lost))
+        seat, via_admit = successor(seat)
         seat, more = reformed(seat, pids, seconds)
-        lost += more
+        lost = more if via_admit else lost + more
 
 
 _FAILED_TRIES: list[Any] = []
@@ -158,10 +164,9 @@ def _form(cls: type[_TorchCommunicator], seat: Seat, store: WatchedStore, second
         else:
             with connecting_lazily(not seat.epoch.startswith("round-")):
                 dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=td)
-        pids = store.known_pids()
+        pids = store.known_pids(refresh=True)
         comm = cls(None, _owns_default=True, _pids={i: pids[r] for i, r in enumerate(seat.members) if r in pids},
                    **kwargs)
-        comm._store = seat.default_store  # the same keys, asked without Python
         comm._machines_declared = True  # the job's launcher knows its machines (the reference's launch())
         comm._store_by_rank0 = seat.hosted and seat.members[0] == 0  # job rank 0 serves it, if still here
         comm._seat = seat
@@ -172,27 +177,30 @@ def _form(cls: type[_TorchCommunicator], seat: Seat, store: WatchedStore, second
         return comm
     except BaseException:
         keep_alive.stop()  # no beat for a membership whose group never formed
-        if dist.is_initialized():
+        if dist.is_initialized():  # (the communicator's own set-up destroys it when that fails)
             _FAILED_TRIES.append(dist.distributed_c10d._get_default_group())  # (see _FAILED_TRIES)
             dist.destroy_process_group()
-        else:  # torch counted a group that never formed: the next try's must have the name the others give it
-            dist.distributed_c10d._world.group_count = 0
+        # torch counts every group it starts to make: the next try's must have the name the others give it
+        dist.distributed_c10d._world.group_count = 0
         raise
 
 
-def _members_lost(store: WatchedStore, error: BaseException) -> FormingFailed | None:
-    """Why a try at a group failed, where the membership broke: members found gone (one that died
-    after it wrote its address fails the others' connections to it, not their waits), or a peer
-    that left the set-up's first collective to agree on the survivors. None for any other
-    failure, and for Ctrl-C."""
+def _broken(store: WatchedStore, error: BaseException) -> FormingFailed | None:
+    """Why a try at a group failed, where the membership broke: a wait of its formation said so,
+    members are found gone (one that died after it wrote its address fails the others'
+    connections to it, not their waits), or a peer left the set-up's first collective (the others
+    already agree on the survivors). None for any other failure, and for Ctrl-C."""
     if not isinstance(error, Exception):
         return None
+    if store.failure is not None:
+        return store.failure
     try:
         gone = store.lost()
-        broken = bool(gone) or isinstance(error, PeerError) or shrink_begun(store.seat.job, store.seat.epoch)
-    except Exception:
-        return None
-    return FormingFailed(gone) if broken else None
+        if gone or isinstance(error, PeerError) or shrink_begun(store.seat.job, store.seat.epoch):
+            return FormingFailed(store.seat, gone)
+    except Exception:  # noqa: S110 - the store is gone: the error as it is says more
+        pass
+    return None
 
 
 def _close_at_exit(ref: weakref.ref[_TorchCommunicator]) -> None:

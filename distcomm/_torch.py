@@ -27,6 +27,7 @@ from ._errors import (
     CollectiveError,
     CommunicatorStateError,
 )
+from ._forming import native_store
 from ._gathered_reduce import gathered_reduce, gathered_traffic, takes_gathered
 from ._handles import Queues
 from ._header_exchange import (
@@ -154,7 +155,7 @@ class _TorchCommunicator(Communicator):
         self._slot_bufs: tuple[torch.Tensor, memoryview, torch.Tensor, memoryview] | None = None
         self._obj_group: Any = self._object_group()
         try:
-            self._store: Any = dist.distributed_c10d._get_default_store()
+            self._store: Any = native_store(dist.distributed_c10d._get_default_store())
         except Exception:  # a store is only used to name missing ranks after a failure
             self._store = None
         self._token = ""

@@ -371,7 +371,6 @@ def test_a_member_lost_inside_an_admit_leaves_the_others_and_the_newcomer_togeth
     assert ended[2][0] == ended[victim][0] == -signal.SIGKILL
     for r in sorted({0, 1, 3, 4} - {victim}):
         code, lines, err = ended[r]
-        open("/tmp/exp/ended.json", "w").write(json.dumps(ended))
         assert code == 0, (r, err)
         assert lines[-1] == {"members": sorted({0, 1, 2, 3} - {victim}), "lost": [victim], "admitted": [2],
                              "gathered": sorted({0, 1, 2, 3} - {victim})}, (r, lines, err)
