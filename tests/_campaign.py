@@ -241,7 +241,16 @@ def _judge(everyone: list[_Process], hung: list[_Process], kills: int, seed: int
     if len({json.dumps(f) for f in finals}) > 1:
         out.wrong += 1
         out.details.append(f"seed {seed} world {world}: survivors disagree: {finals}")
+    if out.hangs or out.wrong:
+        out.details.append(f"seed {seed} world {world}: every process's end:\n" + "\n".join(map(_end_of, everyone)))
     return out
+
+
+def _end_of(p: _Process) -> str:
+    """One process's exit code and its last steps, for the record of a job that went wrong."""
+    events = [line[len("event: "):] for line in p.err.read_text(errors="replace").splitlines()
+              if line.startswith("event: ")]
+    return f"  {p.name}: exit {p.popen.returncode}; " + " | ".join(events[-3:])
 
 
 def _our_frames(stderr: str) -> str:
