@@ -27,7 +27,7 @@ import torch.distributed as dist
 from ._errors import CollectiveTimeoutError, PeerError
 from ._membership import shrink_begun
 from ._rendezvous import Seat
-from ._waits import HOSTS_LOST, alive, process_id
+from ._waits import HOSTS_LOST, alive, machine, process_id
 
 __all__ = ["FormingFailed", "WatchedStore", "connecting_lazily", "native_store", "publish_pid"]
 
@@ -49,7 +49,7 @@ class FormingFailed(PeerError):
 
 def publish_pid(seat: Seat) -> None:
     """Say where this process is, for members on the same machine to watch its pid."""
-    seat.job.append(f"{seat.epoch}/pids/{_machine()}", f"{seat.job_rank}:{process_id()[2]},")
+    seat.job.append(f"{seat.epoch}/pids/{machine()}", f"{seat.job_rank}:{process_id()[2]},")
 
 
 class WatchedStore(_c10d.Store):  # type: ignore[misc]
@@ -119,7 +119,7 @@ class WatchedStore(_c10d.Store):  # type: ignore[misc]
                      if r in HOSTS_LOST or (r in self._pids and not alive(self._pids[r])))
 
     def _read_pids(self) -> None:
-        key = f"{self.seat.epoch}/pids/{_machine()}"
+        key = f"{self.seat.epoch}/pids/{machine()}"
         if self.seat.job.check([key]):
             for entry in self.seat.job.get(key).decode().split(","):
                 if entry:
@@ -173,9 +173,3 @@ def connecting_lazily(lazily: bool) -> Iterator[None]:
                     del os.environ[_LAZY]
                 else:
                     os.environ[_LAZY] = before
-
-
-def _machine() -> str:
-    """What tells this machine's processes (one pid namespace) from other machines'."""
-    boot, namespace, _ = process_id()
-    return f"{boot}-{namespace}"

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._calls import CallSpec, Op
 from ._errors import CommunicatorStateError, DistCommError, PeerError
-from ._rendezvous import Seat, admitted_key, admitted_seat, refused_key
+from ._rendezvous import Seat, admitted_key, admitted_seat, pid_key, refused_key
 from ._waits import HOSTS_LOST, LOSS_SECONDS, alive, tcp_store
 
 if TYPE_CHECKING:
@@ -339,6 +339,9 @@ def _decide(seat: Seat, members: tuple[int, ...]) -> tuple[str, tuple[int, ...]]
     job.set(f"{epoch}/round", rnd)
     for r, token in newcomers.items():
         job.set(f"{epoch}/token/{r}", token)
+        if job.check([f"{rnd}/{pid_key(r, token)}"]):  # watched while the group forms, from the first try
+            where, _, pid = job.get(f"{rnd}/{pid_key(r, token)}").decode().partition(":")
+            job.append(f"{epoch}/pids/{where}", f"{r}:{pid},")
     if job.compare_set(f"{seat.epoch}/successor", "", f"admit:{epoch}").decode() != f"admit:{epoch}":
         return "", ()
     tell_newcomers(job, epoch)

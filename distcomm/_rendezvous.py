@@ -34,8 +34,9 @@ from typing import Any
 import torch
 
 from ._errors import CollectiveTimeoutError, CommunicatorStateError, DistCommError, PeerError
+from ._waits import machine
 
-__all__ = ["Seat", "admitted_key", "admitted_seat", "meet", "parse_url", "refused_key", "serve_store",
+__all__ = ["Seat", "admitted_key", "admitted_seat", "meet", "parse_url", "pid_key", "refused_key", "serve_store",
            "unreachable_here", "unresolved"]
 
 POLL_FIRST, POLL_LAST = 0.01, 0.5
@@ -105,6 +106,7 @@ def meet(host: str, port: int, rank: int, world: int, seconds: float, *, scope: 
         job = _c10d().PrefixStore(f"distcomm/{scope}", raw)
         token = f"{socket.gethostname()} pid {os.getpid()} {secrets.token_hex(4)}"
         number = _take_place(job, rank, world, token, where)
+        job.set(f"round-{number}/{pid_key(rank, token)}", f"{machine()}:{os.getpid()}")  # (see pid_key)
         return dataclasses.replace(_wait_for_round(job, number, rank, world, token, deadline, seconds, where),
                                    hosted=hosted)
     except BaseException as e:
@@ -177,6 +179,12 @@ def admitted_key(rank: int, token: str) -> str:
 def refused_key(rank: int, token: str) -> str:
     """The key, in a round, that refuses the process ``token`` (its value: why)."""
     return f"refused/{rank}/{token}"
+
+
+def pid_key(rank: int, token: str) -> str:
+    """The key, in a round, where the process ``token`` says where it runs (``<machine>:<pid>``): the
+    members that admit it watch its pid while its group forms."""
+    return f"pid/{rank}/{token}"
 
 
 def admitted_seat(job: Any, epoch: str, rank: int, token: str, where: str, *, hosted: bool = True) -> Seat:

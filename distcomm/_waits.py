@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from ._torch import _TorchCommunicator
 
 __all__ = ["HOSTS_LOST", "LOSS_SECONDS", "SLICE", "alive", "tcp_store", "timedelta_of", "fail", "interrupted",
-           "process_id", "store_host_pid", "wait", "wait_whole"]
+           "machine", "process_id", "store_host_pid", "wait", "wait_whole"]
 
 
 @functools.lru_cache(maxsize=16)
@@ -81,6 +81,12 @@ def process_id() -> tuple[str, int, int]:
     except OSError:  # not Linux: no liveness checks
         return (f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(4)}", 0, os.getpid())
     return (boot, namespace, os.getpid())
+
+
+def machine() -> str:
+    """What tells this machine's processes (one pid namespace) from other machines'."""
+    boot, namespace, _ = process_id()
+    return f"{boot}-{namespace}"
 
 
 def alive(pid: int) -> bool:
