@@ -219,6 +219,11 @@ def check_peers(comm: _TorchCommunicator, needed: Iterable[int], seen: dict[int,
                 gone.append((r, pid))
     if HOSTS_LOST and not gone:
         gone = _host_lost(comm, HOSTS_LOST[0])  # (a process this machine sees is named by its pid)
+    if not gone and _left_behind(comm, seen, now):
+        what = f"{comm._op_label} (call #{comm._seq})"
+        comm._mark_broken(f"{what}: the other members left it")
+        raise PeerError(f"{what}: the other members have left this call to agree on who is left (a rank was lost); "
+                        f"call shrink() to join them", op=comm._op_label)
     if gone:
         what = f"{comm._op_label} (call #{comm._seq})"
         names = ", ".join(f"rank {r} (pid {pid})" for r, pid in gone)
@@ -226,6 +231,22 @@ def check_peers(comm: _TorchCommunicator, needed: Iterable[int], seen: dict[int,
         raise PeerError(f"{what}: lost a peer: {names} on this machine exited while this rank still needed it "
                         f"(its connections may stay open in a process it forked, so the transport can't tell)",
                         op=comm._op_label, ranks=[r for r, _ in gone])
+
+
+def _left_behind(comm: _TorchCommunicator, seen: dict[int, float], now: float) -> bool:
+    """Whether the other members of this job communicator's membership have begun to agree on its
+    survivors, looked at once a second: they left the call this rank still waits in, and a pair
+    of ranks never connected (a group that connects lazily) has no connection whose close says so."""
+    seat = comm._seat
+    if seat is None or now - seen.get(-1, 0.0) < 1.0:
+        return False
+    seen[-1] = now
+    from ._membership import shrink_begun  # (it imports this module)
+
+    try:
+        return shrink_begun(seat.job, seat.epoch)
+    except Exception:  # the store is gone: said elsewhere
+        return False
 
 
 def _host_lost(comm: _TorchCommunicator, job_rank: int) -> list[tuple[int, int]]:
