@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._calls import CallSpec, Op
 from ._errors import CommunicatorStateError, DistCommError, PeerError
-from ._rendezvous import Seat, admitted_key, admitted_seat, pid_key, refused_key
+from ._rendezvous import Seat, admitted_key, admitted_seat, pid_key, ranks_in, refused_key
 from ._waits import HOSTS_LOST, LOSS_SECONDS, alive, tcp_store
 
 if TYPE_CHECKING:
@@ -207,7 +207,7 @@ def agree_on_survivors(seat: Seat, members: tuple[int, ...], pids: dict[int, int
 
     Repeated until a round of it finds everyone it agreed on: a rank that dies between the
     decision and the new group is then dropped too, and every survivor ends with the same answer."""
-    base = f"{seat.epoch}/shrink"
+    base = _shrink_base(seat.epoch)
     while True:  # each round its own bound: one that waited out a slow rank leaves the next none
         epoch, survivors = _agree(seat, base, members, pids, time.monotonic() + seconds)
         if seat.job_rank not in survivors:
@@ -259,8 +259,14 @@ def _agree(seat: Seat, base: str, members: tuple[int, ...], pids: dict[int, int]
 
 
 def shrink_begun(job: Any, epoch: str) -> bool:
-    """Whether a member has begun to agree on the survivors of membership ``epoch``."""
-    return bool(job.check([f"{epoch}/shrink/leader"]))
+    """Whether a member has begun to agree on the survivors of membership ``epoch`` (its first
+    round of agreement has a leader)."""
+    return bool(job.check([f"{_shrink_base(epoch)}/leader"]))
+
+
+def _shrink_base(epoch: str) -> str:
+    """Where the survivors of membership ``epoch`` agree."""
+    return f"{epoch}/shrink"
 
 
 def _decision(text: str) -> tuple[str, tuple[int, ...]]:
@@ -354,7 +360,7 @@ def tell_newcomers(job: Any, epoch: str) -> None:
     that finds the membership after a lost rank 0 (which may have told only some); the place is
     freed once."""
     rnd = job.get(f"{epoch}/round").decode()
-    for r in _ranks_in(job.get(f"{epoch}/admitted")):
+    for r in ranks_in(job.get(f"{epoch}/admitted")):
         token = job.get(f"{epoch}/token/{r}").decode()
         job.set(f"{rnd}/{admitted_key(r, token)}", epoch)
         job.compare_set(f"{rnd}/rank/{r}", token, "")  # (then counted once: whoever tells first, or again)
@@ -362,20 +368,17 @@ def tell_newcomers(job: Any, epoch: str) -> None:
             job.add(f"{rnd}/count", -1)
 
 
-def _ranks_in(text: bytes) -> tuple[int, ...]:
-    return tuple(int(r) for r in text.decode().split(",") if r)
-
-
 # ---------------------------------------------------------------- the two calls
-def survivors(comm: _TorchCommunicator, seconds: float | None) -> tuple[Seat, tuple[int, ...]]:
-    """``comm.shrink()``'s agreement: the seat of the survivors' membership, and the job ranks lost.
+def survivors(comm: _TorchCommunicator, seconds: float | None,
+              pids: dict[int, int]) -> tuple[Seat, tuple[int, ...]]:
+    """``comm.shrink()``'s agreement: the seat of the survivors' membership, and the job ranks lost
+    (``pids``: the members' on this machine, by job rank).
     ``comm`` is let go of first: its connections close, so ranks still waiting in the failed call
     fail now too.
 
     Where an admit had already made this membership's successor (some members got its decision,
     others failed it), the survivors are those of the admit's membership, newcomers included."""
     seat = _job_seat(comm, "shrink")
-    pids = job_pids(comm)
     comm._abandon()
     seat, via_admit = successor(seat)
     new, lost = reformed(seat, pids, _bounded(seconds))

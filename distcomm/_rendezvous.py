@@ -36,8 +36,8 @@ import torch
 from ._errors import CollectiveTimeoutError, CommunicatorStateError, DistCommError, PeerError
 from ._waits import machine
 
-__all__ = ["Seat", "admitted_key", "admitted_seat", "meet", "parse_url", "pid_key", "refused_key", "serve_store",
-           "unreachable_here", "unresolved"]
+__all__ = ["Seat", "admitted_key", "admitted_seat", "meet", "parse_url", "pid_key", "ranks_in", "refused_key",
+           "serve_store", "unreachable_here", "unresolved"]
 
 POLL_FIRST, POLL_LAST = 0.01, 0.5
 """Seconds between looks at the store while a process waits for its round: soon at first (ranks
@@ -189,9 +189,13 @@ def pid_key(rank: int, token: str) -> str:
 
 def admitted_seat(job: Any, epoch: str, rank: int, token: str, where: str, *, hosted: bool = True) -> Seat:
     """The seat of a process in the membership ``epoch`` that an ``admit()`` made."""
-    members = tuple(int(r) for r in job.get(f"{epoch}/members").decode().split(","))
-    admitted = tuple(int(r) for r in job.get(f"{epoch}/admitted").decode().split(",") if r)
+    members, admitted = ranks_in(job.get(f"{epoch}/members")), ranks_in(job.get(f"{epoch}/admitted"))
     return Seat(job, epoch, rank, members, token, where, hosted, admitted)
+
+
+def ranks_in(text: bytes) -> tuple[int, ...]:
+    """Job ranks as the store keeps them: "0,2,3"."""
+    return tuple(int(r) for r in text.decode().split(",") if r)
 
 
 def _missing(rnd: Any, rank: int, world: int, seconds: float, where: str) -> DistCommError:

@@ -203,7 +203,7 @@ class _TorchCommunicator(Communicator):
             self._check_usable()
         settings = self._rebuild_settings()
         pids = _membership.job_pids(self)
-        seat, lost = _membership.survivors(self, self._op_timeout(timeout))
+        seat, lost = _membership.survivors(self, self._op_timeout(timeout), pids)
         return self._succeeded_by(start_seat(type(self), seat, lost=lost, pids=pids, **settings))
 
     def admit(self, *, timeout: float | datetime.timedelta | None = None) -> Communicator:
