@@ -44,7 +44,7 @@ from ._memory import as_view, byte_tensor
 from ._routes.base import check_receivable
 from ._serialization import failure_text
 from ._tensor_pickle import CUDA_TARGET
-from ._waits import DEAD_GRACE, SLICE, WAITERS, alive
+from ._waits import watch
 
 if TYPE_CHECKING:
     from ._communicator import Communicator
@@ -277,7 +277,8 @@ def torch_recv(comm: _TorchCommunicator, src: int, tag: int, bufs: list[torch.Te
 
 def _await(comm: _TorchCommunicator, works: list[Any], peer: int, timeout: float | None, what: str) -> None:
     """Wait for point-to-point ``works`` in a waiter thread (a timed-out wait can't be resumed)
-    while this one watches the peer's process (a dead peer whose connection a child keeps open)."""
+    while this one watches the peer (a dead peer whose connection a child keeps open, a lost host,
+    members that left to shrink)."""
     if not works:
         return
     td = None if timeout is None else datetime.timedelta(seconds=timeout)
@@ -289,23 +290,12 @@ def _await(comm: _TorchCommunicator, works: list[Any], peer: int, timeout: float
             else:
                 w.wait(td)
 
-    done, failed = WAITERS.run(whole)
-    start, gone_at = time.monotonic(), None
-    while not done.wait(SLICE):
-        pid = comm._peer_pids.get(peer)
-        now = time.monotonic()
-        if pid is not None and not alive(pid):
-            gone_at = gone_at or now
-            if now - gone_at >= DEAD_GRACE:
-                comm._mark_broken(f"{what}: rank {peer} exited")
-                raise PeerError(f"{what}: rank {peer} (pid {pid}) exited before the message was through",
-                                op=what.split()[0], ranks=[peer])
-        if timeout is not None and now - start > timeout + DEAD_GRACE:
-            comm._mark_broken(f"{what}: the transport didn't finish")
-            raise CollectiveTimeoutError(f"{what} timed out after {timeout}s (the transport didn't finish)",
-                                         op=what.split()[0], ranks=[peer])
-    if failed:
-        _failed(comm, failed[0], what, peer, timeout)
+    try:
+        watch(comm, whole, timeout, lambda: [peer], what)
+    except DistCommError:
+        raise
+    except Exception as e:
+        _failed(comm, e, what, peer, timeout)
 
 
 def _failed(comm: _TorchCommunicator, e: BaseException, what: str, peer: int, timeout: float | None) -> Any:

@@ -4,12 +4,14 @@ failure report that asks the job's store who reached the call and what every ran
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import functools
 import os
 import queue
 import secrets
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -35,25 +37,43 @@ def timedelta_of(seconds: float) -> datetime.timedelta:
 class _Waiters:
     """Threads that wait on transport work for a caller that watches (Ctrl-C, peers' liveness):
     kept between calls (starting a thread costs more than handing it a job); one that is stuck on a
-    wait that never ends (its communicator is broken then) is simply not reused."""
+    wait that never ends (its communicator is broken then) is simply not reused.
+
+    A stuck one is waited for at exit (``settle``): its wait ends when the peer it waits on exits,
+    and ending inside the interpreter's finalization, the thread would abort the process
+    ("terminate called without an active exception") after all its work is done."""
 
     def __init__(self) -> None:
         self._idle: list[queue.SimpleQueue[Any]] = []
+        self._busy: set[threading.Event] = set()
         self._lock = threading.Lock()
 
     def run(self, fn: Callable[[], None]) -> tuple[threading.Event, list[BaseException]]:
+        done, failed = threading.Event(), list[BaseException]()
         with self._lock:
             jobs = self._idle.pop() if self._idle else None
+            self._busy.add(done)
         if jobs is None:
             jobs = queue.SimpleQueue()
             threading.Thread(target=self._serve, args=(jobs,), name="distcomm-wait", daemon=True).start()
-        done, failed = threading.Event(), list[BaseException]()
         jobs.put((fn, done, failed))
         return done, failed
 
     def forget(self) -> None:
         self._idle = []
+        self._busy = set()
         self._lock = threading.Lock()
+
+    def settle(self, seconds: float) -> None:
+        """Wait up to ``seconds`` for the waits still running (at exit: see the class); not when
+        the program dies of an error or Ctrl-C (it fails either way, and is let go at once)."""
+        if getattr(sys, "last_value", None) is not None:
+            return
+        deadline = time.monotonic() + seconds
+        with self._lock:
+            busy = list(self._busy)
+        for done in busy:
+            done.wait(max(deadline - time.monotonic(), 0.0))
 
     def _serve(self, jobs: queue.SimpleQueue[Any]) -> None:
         while True:
@@ -64,12 +84,17 @@ class _Waiters:
                 failed.append(e)
             done.set()
             with self._lock:
+                self._busy.discard(done)
                 self._idle.append(jobs)
 
 
 WAITERS = _Waiters()
 if hasattr(os, "register_at_fork"):  # a forked child has none of the parent's threads
     os.register_at_fork(after_in_child=WAITERS.forget)
+SETTLE_AT_EXIT = 5.0
+"""The longest exit waits for waits left running (registered first, so it runs after every
+communicator is closed at exit)."""
+atexit.register(WAITERS.settle, SETTLE_AT_EXIT)
 
 
 def process_id() -> tuple[str, int, int]:
@@ -182,19 +207,26 @@ def wait_watched(comm: _TorchCommunicator, works: list[Any], timeout: float | No
 
 
 def watch(comm: _TorchCommunicator, fn: Callable[[], None], timeout: float | None,
-          needed: Callable[[], Iterable[int]]) -> None:
+          needed: Callable[[], Iterable[int]], what: str = "") -> None:
     """Run ``fn`` in a waiter thread while this one watches: Ctrl-C, the processes of the peers
-    ``needed()`` names, and a helper that never finishes (bounded by the timeout)."""
+    ``needed()`` names, and a helper that never finishes (bounded by the timeout). ``what``: the
+    call, as errors name it (the current collective's by default)."""
     done, failed = WAITERS.run(fn)
     start, seen = time.monotonic(), dict[int, float]()
     while not done.wait(SLICE):
-        check_peers(comm, needed(), seen)
+        check_peers(comm, needed(), seen, what)
         if timeout is not None and time.monotonic() - start > timeout + DEAD_GRACE:
-            comm._mark_broken(f"{comm._op_label} (call #{comm._seq}): the transport didn't finish")
-            raise CollectiveTimeoutError(f"{comm._op_label} (call #{comm._seq}) timed out after {timeout}s "
-                                         f"(the transport didn't finish)", op=comm._op_label)
+            op, what = (what.split()[0], what) if what else (comm._op_label, _call(comm))
+            comm._mark_broken(f"{what}: the transport didn't finish")
+            raise CollectiveTimeoutError(f"{what} timed out after {timeout}s (the transport didn't finish)", op=op,
+                                         ranks=list(needed()))
     if failed:
         raise failed[0]
+
+
+def _call(comm: _TorchCommunicator) -> str:
+    """The collective ``comm`` is in, as errors name it."""
+    return f"{comm._op_label} (call #{comm._seq})"
 
 
 def interrupted(comm: _TorchCommunicator, e: BaseException) -> None:
@@ -207,9 +239,11 @@ HOSTS_LOST: list[int] = []
 """The job rank whose keep-alive beat stopped in this process's membership (see _membership)."""
 
 
-def check_peers(comm: _TorchCommunicator, needed: Iterable[int], seen: dict[int, float]) -> None:
-    """Raise PeerError for a peer this wait needs whose process has been gone for DEAD_GRACE, or
-    for any member whose keep-alive stopped (its host is down or cut off: nothing resets its connections)."""
+def check_peers(comm: _TorchCommunicator, needed: Iterable[int], seen: dict[int, float], what: str = "") -> None:
+    """Raise PeerError for a peer this wait needs whose process has been gone for DEAD_GRACE, for
+    any member whose keep-alive stopped (its host is down or cut off: nothing resets its
+    connections), and when the other members have left to agree on who is left. ``what``: the
+    call, as errors name it (the current collective's by default)."""
     now = time.monotonic()
     gone = []
     for r in needed:
@@ -217,20 +251,19 @@ def check_peers(comm: _TorchCommunicator, needed: Iterable[int], seen: dict[int,
         if pid is not None and not alive(pid):
             if now - seen.setdefault(r, now) >= DEAD_GRACE:
                 gone.append((r, pid))
+    op, what = (what.split()[0], what) if what else (comm._op_label, _call(comm))
     if HOSTS_LOST and not gone:
-        gone = _host_lost(comm, HOSTS_LOST[0])  # (a process this machine sees is named by its pid)
+        gone = _host_lost(comm, HOSTS_LOST[0], what, op)  # (a process this machine sees is named by its pid)
     if not gone and _left_behind(comm, seen, now):
-        what = f"{comm._op_label} (call #{comm._seq})"
         comm._mark_broken(f"{what}: the other members left it")
         raise PeerError(f"{what}: the other members have left this call to agree on who is left (a rank was lost); "
-                        f"call shrink() to join them", op=comm._op_label)
+                        f"call shrink() to join them", op=op)
     if gone:
-        what = f"{comm._op_label} (call #{comm._seq})"
         names = ", ".join(f"rank {r} (pid {pid})" for r, pid in gone)
         comm._mark_broken(f"{what}: {names} exited")
         raise PeerError(f"{what}: lost a peer: {names} on this machine exited while this rank still needed it "
                         f"(its connections may stay open in a process it forked, so the transport can't tell)",
-                        op=comm._op_label, ranks=[r for r, _ in gone])
+                        op=op, ranks=[r for r, _ in gone])
 
 
 def _left_behind(comm: _TorchCommunicator, seen: dict[int, float], now: float) -> bool:
@@ -249,7 +282,7 @@ def _left_behind(comm: _TorchCommunicator, seen: dict[int, float], now: float) -
         return False
 
 
-def _host_lost(comm: _TorchCommunicator, job_rank: int) -> list[tuple[int, int]]:
+def _host_lost(comm: _TorchCommunicator, job_rank: int, what: str, op: str) -> list[tuple[int, int]]:
     """Raise PeerError for the member whose keep-alive stopped, unless it is no member (nothing to
     do: []) or a process this machine sees has ended (its rank and pid, for the plainer message)."""
     job_ranks = comm.membership.job_ranks
@@ -259,11 +292,10 @@ def _host_lost(comm: _TorchCommunicator, job_rank: int) -> list[tuple[int, int]]
     pid = comm._peer_pids.get(rank)
     if pid is not None and not alive(pid):
         return [(rank, pid)]
-    what = f"{comm._op_label} (call #{comm._seq})"
     comm._mark_broken(f"{what}: rank {rank}'s keep-alive stopped")
     raise PeerError(f"{what}: lost a peer: rank {rank} (job rank {job_rank}) has not answered for "
                     f"{LOSS_SECONDS:g} s (its keep-alive in the job's store stopped: its host is down or cut off)",
-                    op=comm._op_label, ranks=[rank])
+                    op=op, ranks=[rank])
 
 
 LOSS_SECONDS = 30.0

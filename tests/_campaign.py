@@ -33,6 +33,7 @@ RANK_PROGRAM = textwrap.dedent("""
     seed, steps, world = int(sys.argv[1]), int(sys.argv[2]), int(os.environ["WORLD_SIZE"])
     kill_after, kill_in = float(os.environ.get("KILL_AFTER", "-1")), os.environ.get("KILL_IN", "")
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # where a hung process stands: the driver asks
+    print(f"event: started at {time.time():.2f}", file=sys.stderr, flush=True)
     comm = distcomm.from_env(timeout=60)
     die = lambda: os.kill(os.getpid(), signal.SIGKILL)
     timer = threading.Timer(kill_after, die)
@@ -152,7 +153,10 @@ def run_job(tmp: Path, world: int, seed: int, steps: int = 300, bound: float = 1
             time.sleep(0.05)
         everyone = [*procs.values(), *replacements.values()]
         hung = _stop_hung(everyone)
-        return _judge(everyone, hung, kills, seed, world)
+        outcome = _judge(everyone, hung, kills, seed, world)
+        if outcome.hangs or outcome.wrong:
+            outcome.details.append(f"seed {seed} world {world}: the job's store at the end:\n{_membership_keys(store)}")
+        return outcome
     finally:
         for p in [*procs.values(), *replacements.values()]:
             p.end()
@@ -246,11 +250,19 @@ def _judge(everyone: list[_Process], hung: list[_Process], kills: int, seed: int
     return out
 
 
+def _membership_keys(store: object) -> str:
+    """The store's rendezvous and membership keys, with their values (not the groups' own keys)."""
+    keys = sorted(k for k in store.list_keys()  # type: ignore[attr-defined]
+                  if "//" not in k and "/alive/" not in k and "/pid/" not in k and "/here/" not in k)
+    return "\n".join(f"  {k} = {store.get(k).decode(errors='replace')[:80]}" for k in keys[:400])  # type: ignore[attr-defined]
+
+
 def _end_of(p: _Process) -> str:
     """One process's exit code and its last steps, for the record of a job that went wrong."""
     events = [line[len("event: "):] for line in p.err.read_text(errors="replace").splitlines()
               if line.startswith("event: ")]
-    return f"  {p.name}: exit {p.popen.returncode}; " + " | ".join(events[-3:])
+    last = p.err.stat().st_mtime
+    return f"  {p.name}: exit {p.popen.returncode}, last output at {last:.2f}; " + " | ".join(events[-8:])
 
 
 def _our_frames(stderr: str) -> str:

@@ -473,6 +473,46 @@ def test_a_rank_that_raises_after_an_isend_does_not_hold_the_job(tmp_path: Path)
     assert lines[0]["seconds"] < 100, lines  # well before the communicator's timeout
 
 
+LEFT_IN_A_RECV = """
+    import json, sys, time
+    import distcomm
+
+    class SlowToFree:  # the interpreter's finalization, drawn out: a wait that ends inside it aborts
+        def __del__(self):
+            time.sleep(2.0)
+
+    comm = distcomm.from_env(timeout=60)
+    if comm.rank == 1:
+        try:
+            comm.recv(src=0)  # rank 0 sends nothing: it leaves for shrink()
+        except distcomm.PeerError:
+            pass
+    else:
+        time.sleep(0.5)
+    comm = comm.shrink()  # no one lost: every rank again
+    members = list(comm.membership.job_ranks)
+    comm.synchronize()
+    comm.close()
+    print(json.dumps({"members": members}), flush=True)
+    if comm.rank == 0:
+        time.sleep(1.0)  # rank 0 ends while rank 1 ends, ending rank 1's wait on the old group
+    elif comm.rank == 1:
+        slow = SlowToFree()
+"""
+
+
+def test_a_rank_left_waiting_in_an_old_group_exits_cleanly(tmp_path: Path) -> None:
+    """Rank 1's helper thread still waits in the first group's recv when the program ends; rank 0's
+    exit ends that wait. Inside the interpreter's finalization, that aborted rank 1 ("terminate
+    called without an active exception", exit -6) after all its work was done."""
+    port = distcomm.free_port()
+    store = serve_store(f"tcp://127.0.0.1:{port}", 5, WAIT)
+    _, procs = _job(tmp_path, LEFT_IN_A_RECV, 5, port=port, store_apart=True)
+    for r, (code, lines, err) in _ended(procs).items():
+        assert code == 0 and lines == [{"members": [0, 1, 2, 3, 4]}], (r, code, err)
+    del store
+
+
 # ---------------------------------------------------------------- launch(..., elastic=True)
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "elastic_train.py"
 
