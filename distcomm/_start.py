@@ -25,8 +25,9 @@ from ._communicator import DEFAULT_TIMEOUT
 from ._defaults import set_default
 from ._errors import CommunicatorStateError, PeerError
 from ._forming import FormingFailed, WatchedStore, connecting_lazily, publish_pid
+from ._keepalive import keep_alive
 from ._launchers import LaunchEnv
-from ._membership import keep_alive, reformed, shrink_begun, successor
+from ._membership import reformed, shrink_begun, successor
 from ._memory import seconds as _seconds
 from ._messages import settle_limit
 from ._rendezvous import Seat, meet, parse_url, unreachable_here, unresolved
