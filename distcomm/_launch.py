@@ -39,6 +39,7 @@ from ._serialization import dumps_code
 from ._start import free_port, start_world
 from ._supervise import how_it_ended, wait_elastic, wait_until_failure
 from ._torch import GlooCommunicator, NcclCommunicator
+from ._waits import WAITERS
 
 __all__ = ["free_port", "launch"]
 
@@ -170,6 +171,7 @@ def _worker(
                 reported = _report(reports, local_rank, e)
                 raise
     except Exception as e:
+        WAITERS.let_go()
         if not reported:
             _report(reports, local_rank, e)
         raise

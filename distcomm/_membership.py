@@ -218,8 +218,9 @@ def survivors(comm: _TorchCommunicator, seconds: float | None,
               pids: dict[int, int]) -> tuple[Seat, tuple[int, ...]]:
     """``comm.shrink()``'s agreement: the seat of the survivors' membership, and the job ranks lost
     (``pids``: the members' on this machine, by job rank).
-    ``comm`` is let go of first: its connections close, so ranks still waiting in the failed call
-    fail now too.
+    ``comm`` is let go of first (its groups are kept, not closed: see ``_abandon``); ranks still
+    waiting in the failed call find, within a second, that this one has begun to agree
+    (``_waits.check_peers``), and fail too.
 
     Where an admit had already made this membership's successor (some members got its decision,
     others failed it), the survivors are those of the admit's membership, newcomers included."""

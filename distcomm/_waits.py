@@ -46,28 +46,36 @@ class _Waiters:
     def __init__(self) -> None:
         self._idle: list[queue.SimpleQueue[Any]] = []
         self._busy: set[threading.Event] = set()
+        self._failing = False
         self._lock = threading.Lock()
 
     def run(self, fn: Callable[[], None]) -> tuple[threading.Event, list[BaseException]]:
         done, failed = threading.Event(), list[BaseException]()
         with self._lock:
             jobs = self._idle.pop() if self._idle else None
-            self._busy.add(done)
         if jobs is None:
             jobs = queue.SimpleQueue()
             threading.Thread(target=self._serve, args=(jobs,), name="distcomm-wait", daemon=True).start()
+        with self._lock:
+            self._busy.add(done)
         jobs.put((fn, done, failed))
         return done, failed
 
     def forget(self) -> None:
         self._idle = []
         self._busy = set()
+        self._failing = False
         self._lock = threading.Lock()
+
+    def let_go(self) -> None:
+        """The process is failing (a rank of launch() or spawn() whose function raised): its exit
+        doesn't wait for waits still running."""
+        self._failing = True
 
     def settle(self, seconds: float) -> None:
         """Wait up to ``seconds`` for the waits still running (at exit: see the class); not when
         the program dies of an error or Ctrl-C (it fails either way, and is let go at once)."""
-        if getattr(sys, "last_value", None) is not None:
+        if self._failing or getattr(sys, "last_value", None) is not None:
             return
         deadline = time.monotonic() + seconds
         with self._lock:
@@ -147,14 +155,15 @@ def wait(comm: _TorchCommunicator, works: list[Any], timeout: float | None, p2p_
           p2p_bytes: int = 0, start: float | None = None) -> None:
     """Wait for ``works``; ``p2p_peers``: point-to-point works, and the peer of each.
 
-    Point-to-point waits are handed to a helper thread when they can last: large transfers, and
-    any in worlds beyond 4 ranks (where a peer that is late or gone leaves this rank waiting in
-    them); small ones in small worlds finish at once, and the hand-off would cost more.
+    Point-to-point waits are handed to a helper thread when they can last: large transfers, any
+    in worlds beyond 4 ranks (where a peer that is late or gone leaves this rank waiting in them),
+    and any in a job's communicator (whose members may leave a call to shrink); small ones in
+    small worlds of other communicators finish at once, and the hand-off (about 50 us) would cost more.
     ``start``: when the caller began waiting (its first slice ran out), for sliced waits."""
     try:
         if not comm._sliced_waits or (
                 p2p_peers is not None and p2p_bytes < WATCHED_P2P_BYTES
-                and comm._world <= _frame.SMALL_WORLD):
+                and comm._world <= _frame.SMALL_WORLD and comm._seat is None):
             wait_whole(works, timeout)
         elif p2p_peers is not None:
             wait_watched(comm, works, timeout, p2p_peers)
@@ -216,10 +225,11 @@ def watch(comm: _TorchCommunicator, fn: Callable[[], None], timeout: float | Non
     while not done.wait(SLICE):
         check_peers(comm, needed(), seen, what)
         if timeout is not None and time.monotonic() - start > timeout + DEAD_GRACE:
+            peers = list(needed()) if what else []  # (a point-to-point call's peer; a collective's are unknown)
             op, what = (what.split()[0], what) if what else (comm._op_label, _call(comm))
             comm._mark_broken(f"{what}: the transport didn't finish")
             raise CollectiveTimeoutError(f"{what} timed out after {timeout}s (the transport didn't finish)", op=op,
-                                         ranks=list(needed()))
+                                         ranks=peers)
     if failed:
         raise failed[0]
 
@@ -236,7 +246,7 @@ def interrupted(comm: _TorchCommunicator, e: BaseException) -> None:
 
 
 HOSTS_LOST: list[int] = []
-"""The job rank whose keep-alive beat stopped in this process's membership (see _membership)."""
+"""The job rank whose keep-alive beat stopped in this process's membership (see _keepalive)."""
 
 
 def check_peers(comm: _TorchCommunicator, needed: Iterable[int], seen: dict[int, float], what: str = "") -> None:
@@ -274,8 +284,11 @@ def _left_behind(comm: _TorchCommunicator, seen: dict[int, float], now: float) -
     if seat is None or now - seen.get(-1, 0.0) < 1.0:
         return False
     seen[-1] = now
-    from ._membership import shrink_begun  # (it imports this module)
+    from ._keepalive import keep_alive  # (they import this module)
+    from ._membership import shrink_begun
 
+    if keep_alive.store_gone():  # (asked anyway, torch's client prints a page of warnings)
+        return False
     try:
         return shrink_begun(seat.job, seat.epoch)
     except Exception:  # the store is gone: said elsewhere

@@ -24,6 +24,7 @@ from .._launch import describe, first_failure
 from .._serialization import dumps_code
 from .._start import free_port, start_world
 from .._torch import GlooCommunicator, NcclCommunicator
+from .._waits import WAITERS
 
 __all__ = ["spawn"]
 
@@ -74,11 +75,13 @@ def _spawn_worker(rank: int, world: int, url: str, payload: bytes, out: Any, bac
             try:
                 result = fn(comm)
             except BaseException as e:  # reported before the communicator closes: before its peers fail for it
+                WAITERS.let_go()
                 out.put((rank, 0, *_failure(e), -1))
                 reported = True
                 return
         out.put((rank, 0, True, cloudpickle.dumps(result), "", 0.0, 0))
     except BaseException as e:
+        WAITERS.let_go()
         if not reported:
             out.put((rank, 0, *_failure(e), -1))
 
