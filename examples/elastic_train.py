@@ -28,10 +28,11 @@ SAMPLES = 4096
 class ElasticTrainer:
     """Fits y = 3x + 1 with one linear layer; rank r of n trains on samples r, r + n, r + 2n, ...
 
-    After each step the members ask for newcomers (``admit``); after a failed step the survivors
-    ``shrink``. Either way the communicator's rank 0 then hands everyone the model and the step
-    (``broadcast``), so that a failed step that some ranks applied and others didn't leaves no
-    difference behind, and a newcomer starts where the others are."""
+    After each step the members ask for newcomers (``admit``); after a failed step, admit or
+    hand-over the survivors ``shrink``. Either way the first member then hands everyone the model
+    and the step (``broadcast``), so that a failed step that some ranks applied and others didn't
+    leaves no difference behind, and a newcomer starts where the others are. Every collective is
+    inside the ``try``: a rank can be lost in any of them, the hand-over included."""
 
     def __init__(self, comm: distcomm.Communicator, *, steps: int = 30, lr: float = 0.5,
                  kill: tuple[int, int] | None = None, work: float = 0.0,
@@ -50,22 +51,22 @@ class ElasticTrainer:
         self.checked = 0  # steps after which every member's parameters were found the same
 
     def fit(self) -> torch.nn.Module:
-        newcomer = self._job_rank in self.comm.membership.admitted
-        self._share_state(from_members=not newcomer)
+        share = True  # the state goes round before the next step: at the start, after a shrink or an admit
         while self.step < self.steps:
-            try:
+            try:  # every collective inside: a rank may be lost in any of them
+                if share:
+                    self._share_state()
+                    share = False
                 self._train_step()
+                self.step += 1
+                admitted = self.comm.admit()
+                if admitted is not self.comm:
+                    self.comm, share = admitted, True
+                    self.log(f"step {self.step}: admitted job rank(s) {list(admitted.membership.admitted)}: "
+                             f"{admitted!r}")
             except distcomm.DistCommError as e:  # a rank was lost: go on without it
-                self.comm = self.comm.shrink()
+                self.comm, share = self.comm.shrink(), True
                 self.log(f"step {self.step}: {type(e).__name__}; shrunk to {self.comm!r}")
-                self._share_state(from_members=True)
-                continue
-            self.step += 1
-            admitted = self.comm.admit()
-            if admitted is not self.comm:
-                self.comm = admitted
-                self.log(f"step {self.step}: admitted job rank(s) {list(admitted.membership.admitted)}: {admitted!r}")
-                self._share_state(from_members=True)
         return self.model
 
     @property
@@ -93,12 +94,12 @@ class ElasticTrainer:
         self.checked += 1
         time.sleep(self.work)  # the rest of a real step: a replacement has time to start
 
-    def _share_state(self, from_members: bool) -> None:
+    def _share_state(self) -> None:
         """The first member's model and step on every rank (a newcomer receives them)."""
         comm = self.comm
         newcomers = set(comm.membership.admitted)
         src = next(r for r, job_rank in enumerate(comm.membership.job_ranks) if job_rank not in newcomers)
-        state = {"model": self.model.state_dict(), "step": self.step} if comm.rank == src and from_members else None
+        state = {"model": self.model.state_dict(), "step": self.step} if comm.rank == src else None
         state = comm.broadcast(state, src=src)
         self.model.load_state_dict(state["model"])
         self.step = state["step"]

@@ -79,12 +79,12 @@ RANK_PROGRAM = textwrap.dedent("""
               flush=True)  # the history a hang is judged by
         return step
 
-    step, shrinks, admits = 0, 0, 0
-    if comm.membership.admitted:
-        step = agree_on_step(comm, step)
-    deadline = None
+    step, shrinks, admits, deadline = 0, 0, 0, None
+    agree = bool(comm.membership.admitted)  # a newcomer's first call: the members agree on the step with it
     while True:
-        try:
+        try:  # every collective inside, the step's agreement too: a rank may be lost in any of them
+            if agree:
+                step, agree = agree_on_step(comm, step), False
             if step < steps:
                 run(comm, step)
                 step += 1
@@ -94,8 +94,8 @@ RANK_PROGRAM = textwrap.dedent("""
                     die()
                 new = comm.admit()
                 if new is not comm:
-                    comm, admits = new, admits + 1
-                    step = agree_on_step(comm, step)
+                    comm, admits, agree = new, admits + 1, True
+                    continue
             if step >= steps:  # the end: wait a while for the replacements still coming (decided by one rank)
                 deadline = deadline or time.monotonic() + 30
                 src = first_member(comm)
@@ -105,8 +105,7 @@ RANK_PROGRAM = textwrap.dedent("""
         except distcomm.DistCommError:
             if kill_in == "shrink":
                 die()
-            comm, shrinks = comm.shrink(), shrinks + 1
-            step = agree_on_step(comm, step)
+            comm, shrinks, agree = comm.shrink(), shrinks + 1, True
     timer.cancel()  # a kill after the job's end would leave its replacement nothing to join
     final = comm.all_gather(list(comm.membership.job_ranks))
     assert all(f == final[0] for f in final), final
