@@ -25,6 +25,7 @@ import datetime
 import ipaddress
 import os
 import secrets
+import select
 import socket
 import threading
 import time
@@ -102,15 +103,19 @@ def meet(host: str, port: int, rank: int, world: int, seconds: float, *, scope: 
     where = f"{what} at {host}:{port}"
     served = hosted and rank == 0 and port not in _SERVED
     raw = _connect(host, port, rank, world, seconds, hosted, where)
+    watch = None if served else _watch(host, port)
     try:
         job = _c10d().PrefixStore(f"distcomm/{scope}", raw)
         token = f"{socket.gethostname()} pid {os.getpid()} {secrets.token_hex(4)}"
         number = _take_place(job, rank, world, token, where)
         job.set(f"round-{number}/{pid_key(rank, token)}", f"{machine()}:{os.getpid()}")  # (see pid_key)
-        return dataclasses.replace(_wait_for_round(job, number, rank, world, token, deadline, seconds, where),
-                                   hosted=hosted)
+        seat = _wait_for_round(job, number, rank, world, token, deadline, seconds, where, watch)
+        return dataclasses.replace(seat, hosted=hosted)
     except BaseException as e:
         error = e
+    finally:
+        if watch is not None:
+            watch.close()
     # A failed rendezvous lets go of the port it opened: nothing may hold the store, and the
     # error's traceback (its frames hold it) goes.
     raw = job = None
@@ -143,18 +148,24 @@ def _take_place(job: Any, rank: int, world: int, token: str, where: str) -> int:
 
 
 def _wait_for_round(job: Any, number: int, rank: int, world: int, token: str, deadline: float,
-                    seconds: float, where: str) -> Seat:
-    """Wait until round ``number`` is complete, or the members let this rank in."""
+                    seconds: float, where: str, watch: socket.socket | None) -> Seat:
+    """Wait until round ``number`` is complete, or the members let this rank in. ``watch``: a
+    connection to the store's port that only its host's end makes readable (looked at before each
+    look at the store: torch's client prints a page of C++ frames for a call to a store that is gone)."""
     rnd = _c10d().PrefixStore(f"round-{number}", job)
     found: list[str] = []
     pause = POLL_FIRST
     try:  # looked at, not waited on: a timed-out wait fills the output with torch's C++ warnings
         while True:
+            if watch is not None and select.select([watch], [], [], 0)[0]:
+                raise _went_away(rank, where)
             found = [k for k in ("complete", admitted_key(rank, token), refused_key(rank, token)) if rnd.check([k])]
             if found or time.monotonic() > deadline:
                 break
             time.sleep(pause)
             pause = min(pause * 1.5, POLL_LAST)
+    except DistCommError:
+        raise
     except Exception:
         raise _missing(rnd, rank, world, seconds, where) from None
     if refused_key(rank, token) in found:
@@ -203,12 +214,25 @@ def _missing(rnd: Any, rank: int, world: int, seconds: float, where: str) -> Dis
     try:
         missing = [r for r in range(world) if not rnd.check([f"rank/{r}"])]
     except Exception:
-        return PeerError(f"{where} went away while rank {rank} waited for the other ranks: its host (rank 0) "
-                         f"ended or lost its connection", op="rendezvous", ranks=[0])
+        return _went_away(rank, where)
     return CollectiveTimeoutError(
         f"{where} did not complete within {seconds:g} s: rank {rank} waited for rank(s) {_ranks(missing)} of "
         f"{world}, which never arrived (not started, or started with other variables)", op="rendezvous",
         ranks=missing)
+
+
+def _went_away(rank: int, where: str) -> PeerError:
+    return PeerError(f"{where} went away while rank {rank} waited for the other ranks: its host (rank 0) "
+                     f"ended or lost its connection", op="rendezvous", ranks=[0])
+
+
+def _watch(host: str, port: int) -> socket.socket | None:
+    """A plain connection to the store's port: the store never sends on it, so it becomes readable
+    only when the store's host goes away (None where it can't be made: the store's own errors say)."""
+    try:
+        return socket.create_connection((host, port), timeout=5.0)
+    except OSError:
+        return None
 
 
 _SERVED: dict[int, Any] = {}

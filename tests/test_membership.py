@@ -101,6 +101,16 @@ def test_nothing_listening_is_named_as_such() -> None:
         meet("127.0.0.1", distcomm.free_port(), 1, 2, 10.0)
 
 
+def test_a_rank_waiting_when_the_store_host_gives_up_is_told_in_one_line(capfd: pytest.CaptureFixture[str]) -> None:
+    """Rank 0 (the store's host) gives up on a missing rank 2 while rank 1 still waits: rank 1 is told
+    the store went away, without torch's pages of C++ frames for each look at a store that is gone."""
+    port = distcomm.free_port()
+    got = _ranks_at_once([lambda: meet("127.0.0.1", port, 0, 3, 2.0), lambda: meet("127.0.0.1", port, 1, 3, 30.0)])
+    assert isinstance(got[0], distcomm.CollectiveTimeoutError) and got[0].ranks == (2,), got
+    assert isinstance(got[1], distcomm.PeerError) and "went away while rank 1 waited" in str(got[1]), got
+    assert "frame #" not in capfd.readouterr().err
+
+
 def test_a_host_name_that_does_not_resolve_is_named_at_once() -> None:
     start = time.monotonic()
     with pytest.raises(distcomm.CommunicatorStateError, match="does not resolve on this machine"):
