@@ -264,10 +264,13 @@ def check_peers(comm: _TorchCommunicator, needed: Iterable[int], seen: dict[int,
     op, what = (what.split()[0], what) if what else (comm._op_label, _call(comm))
     if HOSTS_LOST and not gone:
         gone = _host_lost(comm, HOSTS_LOST[0], what, op)  # (a process this machine sees is named by its pid)
-    if not gone and _left_behind(comm, seen, now):
+    said = "" if gone else _store_says(comm, seen, now, collective=not what.startswith(("send", "recv")))
+    if said == "left":
         comm._mark_broken(f"{what}: the other members left it")
         raise PeerError(f"{what}: the other members have left this call to agree on who is left (a rank was lost); "
                         f"call shrink() to join them", op=op)
+    if said == "failed":  # (its report, with the others')
+        fail(comm, RuntimeError("connection closed: another rank's transport failed in this call"), None)
     if gone:
         names = ", ".join(f"rank {r} (pid {pid})" for r, pid in gone)
         comm._mark_broken(f"{what}: {names} exited")
@@ -276,23 +279,35 @@ def check_peers(comm: _TorchCommunicator, needed: Iterable[int], seen: dict[int,
                         op=op, ranks=[r for r, _ in gone])
 
 
-def _left_behind(comm: _TorchCommunicator, seen: dict[int, float], now: float) -> bool:
-    """Whether the other members of this job communicator's membership have begun to agree on its
-    survivors, looked at once a second: they left the call this rank still waits in, and a pair
-    of ranks never connected (a group that connects lazily) has no connection whose close says so."""
-    seat = comm._seat
-    if seat is None or now - seen.get(-1, 0.0) < 1.0:
-        return False
+def _store_says(comm: _TorchCommunicator, seen: dict[int, float], now: float, collective: bool) -> str:
+    """What the job's store says of the call this rank still waits in, looked at once a second:
+    "left" when the other members of this job communicator's membership have begun to agree on
+    its survivors (a pair of ranks never connected, in a group that connects lazily, has no
+    connection whose close would say so); "failed" when another rank's transport failed in this
+    collective (it lost a peer, so the call can't complete, and its report waits for this rank's:
+    a rank that no connection of the dead one reaches, in a large world, learns it here); else ""."""
+    if now - seen.get(-1, 0.0) < 1.0:
+        return ""
     seen[-1] = now
     from ._keepalive import keep_alive  # (they import this module)
     from ._membership import shrink_begun
 
     if keep_alive.store_gone():  # (asked anyway, torch's client prints a page of warnings)
-        return False
+        return ""
     try:
-        return shrink_begun(seat.job, seat.epoch)
-    except Exception:  # the store is gone: said elsewhere
-        return False
+        seat = comm._seat
+        if seat is not None and shrink_begun(seat.job, seat.epoch):
+            return "left"
+        if collective and comm._store is not None and comm._token and comm._store.check([_failed_key(comm)]):
+            return "failed"
+    except Exception:  # noqa: S110 - the store is gone: said elsewhere
+        pass
+    return ""
+
+
+def _failed_key(comm: _TorchCommunicator) -> str:
+    """Where a rank whose transport failed in the current call says so (see ask_store)."""
+    return f"distcomm/{comm._token}/{comm._seq}/failed"
 
 
 def _host_lost(comm: _TorchCommunicator, job_rank: int, what: str, op: str) -> list[tuple[int, int]]:
@@ -321,7 +336,8 @@ collectives, so a healthy one must never be."""
 def ask_store(comm: _TorchCommunicator, grace: float,
               lost: bool = False) -> tuple[list[int], dict[int, str]] | Literal["no store", "unreachable"]:
     """Write that this rank failed at this call, and what it is doing; wait ``grace`` for the
-    others. Return who reached this call, and what each rank that failed in any call reported;
+    others (no longer once every rank still missing is a process seen gone: it will never say).
+    Return who reached this call, and what each rank that failed in any call reported;
     or why not: no store to ask (or set-up, before the ranks share a token), or it didn't answer.
     ``lost``: the transport lost a connection (its peer may be exiting)."""
     if comm._store is None or not comm._token:
@@ -333,10 +349,11 @@ def ask_store(comm: _TorchCommunicator, grace: float,
     try:
         comm._store.set(states + str(comm._rank), comm._state())
         comm._store.set(prefix + str(comm._rank), "1")
+        comm._store.set(_failed_key(comm), "1")  # (the ranks still waiting in it learn it: _store_says)
         deadline = time.monotonic() + grace
         while True:
             present = [r for r in range(comm._world) if comm._store.check([prefix + str(r)])]
-            if len(present) == comm._world or time.monotonic() > deadline:
+            if time.monotonic() > deadline or all(_gone(comm, r) for r in range(comm._world) if r not in present):
                 break
             time.sleep(0.05)
         told = {r: comm._store.get(states + str(r)).decode("utf-8", "replace")
@@ -344,6 +361,12 @@ def ask_store(comm: _TorchCommunicator, grace: float,
         return present, told
     except Exception:  # the store may be gone with the peer that hosted it
         return "unreachable"
+
+
+def _gone(comm: _TorchCommunicator, rank: int) -> bool:
+    """Whether ``rank``'s process is seen gone (on this machine)."""
+    pid = comm._peer_pids.get(rank)
+    return pid is not None and not alive(pid)
 
 
 def tcp_store(store: Any) -> Any:
