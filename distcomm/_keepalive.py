@@ -92,6 +92,13 @@ class _KeepAlive:
         with self._lock:
             self._stop()
 
+    def unwatch(self) -> None:
+        """Beat on, but watch no other member (a membership whose group never formed: its members
+        are agreeing on the next, and one that stops beating meanwhile is not lost)."""
+        with self._lock:
+            if self._beat is not None:
+                self._beat.successor = None
+
     def watch_host(self, pid: int | None) -> None:
         """The pid of the store's host, where this machine sees it (known once the group is built)."""
         with self._lock:

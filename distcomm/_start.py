@@ -128,6 +128,8 @@ def start_seat(cls: type[_TorchCommunicator], seat: Seat, *, timeout: float | da
         except BaseException as e:
             _FAILED_TRIES.append(e)  # (see _FAILED_TRIES)
             failure = _broken(store, e)
+            if failure is None or seat.epoch.startswith("round-") or time.monotonic() > deadline:
+                keep_alive.stop()  # no beat for a process that joins no membership
             if failure is None:
                 raise
             if seat.epoch.startswith("round-") or time.monotonic() > deadline:
@@ -167,17 +169,16 @@ def _form(cls: type[_TorchCommunicator], seat: Seat, store: WatchedStore, second
                 dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=td)
         pids = store.known_pids(refresh=True)
         comm = cls(None, _owns_default=True, _pids={i: pids[r] for i, r in enumerate(seat.members) if r in pids},
-                   **kwargs)
+                   _seat=seat, **kwargs)
         comm._machines_declared = True  # the job's launcher knows its machines (the reference's launch())
         comm._store_by_rank0 = seat.hosted and seat.members[0] == 0  # job rank 0 serves it, if still here
-        comm._seat = seat
         comm._job_ranks, comm._lost, comm._admitted = seat.members, lost, seat.admitted
         keep_alive.watch_host(store_host_pid(comm))
         atexit.register(_close_at_exit, weakref.ref(comm))
         set_default(comm)  # every thread of the process sees it
         return comm
     except BaseException:
-        keep_alive.stop()  # no beat for a membership whose group never formed
+        keep_alive.unwatch()  # this process beats on while it agrees on the next (start_seat stops it if not)
         if dist.is_initialized():  # (the communicator's own set-up destroys it when that fails)
             _FAILED_TRIES.append(dist.distributed_c10d._get_default_group())  # (see _FAILED_TRIES)
             dist.destroy_process_group()

@@ -116,6 +116,7 @@ class _TorchCommunicator(Communicator):
         _owns_default: bool = False,
         _order: Sequence[int] | None = None,
         _pids: dict[int, int] | None = None,
+        _seat: Seat | None = None,
     ) -> None:
         super().__init__(timeout=timeout, serializer=serializer, max_bytes=max_bytes, slot_bytes=slot_bytes,
                          receive_cuda_on=receive_cuda_on)
@@ -160,6 +161,7 @@ class _TorchCommunicator(Communicator):
             self._store = None
         self._token = ""
         self._peer_pids: dict[int, int] = dict(_pids or {})  # same-machine peers' pids (set-up learns them all)
+        self._seat = _seat  # (before set-up: its waits then know when the others gave this membership up)
         self._local_group: Any = self._group
         # the header exchange's blocks, this rank's block and the groups it gathers and broadcasts
         # in (see _header_exchange); until set-up has made them, one block: the whole group
