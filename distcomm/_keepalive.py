@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import select
 import socket
 import threading
 import time
 from typing import Any
 
 from ._rendezvous import Seat
-from ._waits import HOSTS_LOST, LOSS_SECONDS, alive, tcp_store
+from ._waits import HOSTS_LOST, LOSS_SECONDS, alive, readable, tcp_store
 
 __all__ = ["BEAT_SECONDS", "keep_alive"]
 
@@ -41,7 +40,7 @@ class _Beat:
         """Whether the store has gone away, found without asking it."""
         if self.host_pid is not None and not alive(self.host_pid):
             return True
-        return self.watch is not None and bool(select.select([self.watch], [], [], 0)[0])
+        return self.watch is not None and readable(self.watch)
 
     def ask(self, name: str, *args: Any) -> Any:
         """The store's answer to one call, looked before: torch's client prints a page of C++ stack
@@ -165,14 +164,15 @@ def _follow(seat: Seat) -> _Beat | None:
 def _once(beat: _Beat) -> None:
     """One beat: move this process's, look at the successor's, and at whether one was posted silent."""
     beat.ask("add", f"alive/{beat.job_rank}", 1)
-    if beat.successor is not None:
-        key = f"alive/{beat.successor}"
+    successor = beat.successor  # (read once: unwatch() may clear it meanwhile)
+    if successor is not None:
+        key = f"alive/{successor}"
         now = time.monotonic()
         value = beat.ask("get", key) if beat.ask("check", [key]) else b""
         if value != beat.seen[0]:
             beat.seen = (value, now)
         elif now - beat.seen[1] > LOSS_SECONDS:
-            beat.ask("compare_set", f"{beat.epoch}/silent", "", str(beat.successor))
+            beat.ask("compare_set", f"{beat.epoch}/silent", "", str(successor))
     if not HOSTS_LOST and beat.ask("check", [f"{beat.epoch}/silent"]):
         HOSTS_LOST.append(int(beat.ask("get", f"{beat.epoch}/silent")))
 

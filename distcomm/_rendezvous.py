@@ -25,7 +25,6 @@ import datetime
 import ipaddress
 import os
 import secrets
-import select
 import socket
 import threading
 import time
@@ -35,7 +34,7 @@ from typing import Any
 import torch
 
 from ._errors import CollectiveTimeoutError, CommunicatorStateError, DistCommError, PeerError
-from ._waits import machine
+from ._waits import machine, readable
 
 __all__ = ["Seat", "admitted_key", "admitted_seat", "meet", "parse_url", "pid_key", "ranks_in", "refused_key",
            "serve_store", "unreachable_here", "unresolved"]
@@ -157,7 +156,7 @@ def _wait_for_round(job: Any, number: int, rank: int, world: int, token: str, de
     pause = POLL_FIRST
     try:  # looked at, not waited on: a timed-out wait fills the output with torch's C++ warnings
         while True:
-            if watch is not None and select.select([watch], [], [], 0)[0]:
+            if watch is not None and readable(watch):
                 raise _went_away(rank, where)
             found = [k for k in ("complete", admitted_key(rank, token), refused_key(rank, token)) if rnd.check([k])]
             if found or time.monotonic() > deadline:

@@ -121,26 +121,29 @@ def start_seat(cls: type[_TorchCommunicator], seat: Seat, *, timeout: float | da
     assert seconds is not None
     deadline = time.monotonic() + seconds
     pids = dict(pids or {})
-    while True:
-        store = WatchedStore(seat, pids)
-        try:
-            return _form(cls, seat, store, seconds, lost, timeout=timeout, **kwargs)
-        except BaseException as e:
-            _FAILED_TRIES.append(e)  # (see _FAILED_TRIES)
-            failure = _broken(store, e)
-            if failure is None or seat.epoch.startswith("round-") or time.monotonic() > deadline:
-                keep_alive.stop()  # no beat for a process that joins no membership
-            if failure is None:
-                raise
-            if seat.epoch.startswith("round-") or time.monotonic() > deadline:
-                raise PeerError(f"{seat.where}: {failure}" + (
-                    "; the job's ranks must all start before it can lose one" if seat.epoch.startswith("round-")
-                    else f"; no group of the survivors formed within {seconds:g} s"),
-                    op="rendezvous", ranks=failure.ranks) from e
-        pids = store.known_pids()
-        seat, via_admit = successor(seat)
-        seat, more = reformed(seat, pids, seconds)
-        lost = more if via_admit else lost + more
+    try:
+        while True:
+            store = WatchedStore(seat, pids)
+            try:
+                return _form(cls, seat, store, seconds, lost, timeout=timeout, **kwargs)
+            except BaseException as e:
+                _FAILED_TRIES.append(e)  # (see _FAILED_TRIES)
+                failure = _broken(store, e)
+                if failure is None:
+                    raise
+                first = seat.epoch.startswith("round-")
+                if first or time.monotonic() > deadline:
+                    raise PeerError(f"{seat.where}: {failure}" + (
+                        "; the job's ranks must all start before it can lose one" if first
+                        else f"; no group of the survivors formed within {seconds:g} s"),
+                        op="rendezvous", ranks=failure.ranks) from e
+            pids = store.known_pids()
+            seat, via_admit = successor(seat)
+            seat, more = reformed(seat, pids, seconds)
+            lost = more if via_admit else lost + more
+    except BaseException:
+        keep_alive.stop()  # no beat for a process that joins no membership
+        raise
 
 
 _FAILED_TRIES: list[Any] = []

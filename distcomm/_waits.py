@@ -10,6 +10,7 @@ import functools
 import os
 import queue
 import secrets
+import select
 import socket
 import sys
 import threading
@@ -114,6 +115,14 @@ def process_id() -> tuple[str, int, int]:
     except OSError:  # not Linux: no liveness checks
         return (f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(4)}", 0, os.getpid())
     return (boot, namespace, os.getpid())
+
+
+def readable(sock: socket.socket) -> bool:
+    """Whether ``sock`` has something to read, or its other end closed (poll: select() refuses
+    descriptors past 1023, which a process with many files open reaches)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def machine() -> str:
@@ -270,7 +279,7 @@ def check_peers(comm: _TorchCommunicator, needed: Iterable[int], seen: dict[int,
         raise PeerError(f"{what}: the other members have left this call to agree on who is left (a rank was lost); "
                         f"call shrink() to join them", op=op)
     if said == "failed":  # (its report, with the others')
-        fail(comm, RuntimeError("connection closed: another rank's transport failed in this call"), None)
+        fail(comm, RuntimeError("connection closed: another rank lost a peer in this call"), comm._timeout)
     if gone:
         names = ", ".join(f"rank {r} (pid {pid})" for r, pid in gone)
         comm._mark_broken(f"{what}: {names} exited")
@@ -283,8 +292,8 @@ def _store_says(comm: _TorchCommunicator, seen: dict[int, float], now: float, co
     """What the job's store says of the call this rank still waits in, looked at once a second:
     "left" when the other members of this job communicator's membership have begun to agree on
     its survivors (a pair of ranks never connected, in a group that connects lazily, has no
-    connection whose close would say so); "failed" when another rank's transport failed in this
-    collective (it lost a peer, so the call can't complete, and its report waits for this rank's:
+    connection whose close would say so); "failed" when another rank's transport lost a peer in
+    this collective (so the call can't complete, and its report waits for this rank's:
     a rank that no connection of the dead one reaches, in a large world, learns it here); else ""."""
     if now - seen.get(-1, 0.0) < 1.0:
         return ""
@@ -294,9 +303,11 @@ def _store_says(comm: _TorchCommunicator, seen: dict[int, float], now: float, co
 
     if keep_alive.store_gone():  # (asked anyway, torch's client prints a page of warnings)
         return ""
+    seat = comm._seat
+    if seat is None:  # (only a job's communicator: its store is the one the keep-alive watches)
+        return ""
     try:
-        seat = comm._seat
-        if seat is not None and shrink_begun(seat.job, seat.epoch):
+        if shrink_begun(seat.job, seat.epoch):
             return "left"
         if collective and comm._store is not None and comm._token and comm._store.check([_failed_key(comm)]):
             return "failed"
@@ -349,7 +360,8 @@ def ask_store(comm: _TorchCommunicator, grace: float,
     try:
         comm._store.set(states + str(comm._rank), comm._state())
         comm._store.set(prefix + str(comm._rank), "1")
-        comm._store.set(_failed_key(comm), "1")  # (the ranks still waiting in it learn it: _store_says)
+        if lost:  # (the ranks still waiting in it learn it: _store_says; a timeout is each rank's own)
+            comm._store.set(_failed_key(comm), "1")
         deadline = time.monotonic() + grace
         while True:
             present = [r for r in range(comm._world) if comm._store.check([prefix + str(r)])]
