@@ -7,7 +7,7 @@ lost and a job ended. Here the group forms over ``WatchedStore``, whose waits lo
 between looks at the keys: a member found gone (by its pid on this machine, or by the keep-alive
 across machines), or a shrink of the membership begun elsewhere, ends the wait, and
 ``start_seat`` then agrees on the survivors and forms again. A member that dies after writing
-its address is met by the group's first calls instead (see ``connecting_lazily``).
+its address is met by the group's first calls instead (see ``connecting``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from ._membership import shrink_begun
 from ._rendezvous import Seat
 from ._waits import HOSTS_LOST, alive, machine, process_id
 
-__all__ = ["FormingFailed", "WatchedStore", "connecting_lazily", "native_store", "publish_pid"]
+__all__ = ["FormingFailed", "WatchedStore", "connecting", "init_gloo", "native_store", "publish_pid"]
 
 _c10d: Any = torch._C._distributed_c10d
 
@@ -54,9 +54,9 @@ def publish_pid(seat: Seat) -> None:
 
 class WatchedStore(_c10d.Store):  # type: ignore[misc]
     """The store a membership's group forms in (and its later groups too): the membership's own
-    keys, whose waits end as soon as the membership breaks. torch calls it from C++; the ones made
-    are kept for the life of the process (``_KEPT``), since torch's groups call it as long as they
-    live."""
+    keys, whose waits end as soon as the membership breaks. torch calls it from C++, on the thread
+    that makes a group (never on a transport thread: see ``init_gloo``); the ones made are kept for
+    the life of the process (``_KEPT``), since torch's groups hold them as long as they live."""
 
     def __init__(self, seat: Seat, pids: dict[int, int]) -> None:
         super().__init__()
@@ -106,6 +106,12 @@ class WatchedStore(_c10d.Store):  # type: ignore[misc]
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
 
+    def wait_for_members(self) -> None:
+        """Wait, watched, until every member has made its group, and so written its address there."""
+        if self.inner.add("formed", 1) == len(self.seat.members):
+            self.inner.set("formed/all", b"1")
+        self.wait(["formed/all"])
+
     def known_pids(self, *, refresh: bool = False) -> dict[int, int]:
         """The members' pids found so far (job rank -> pid); with ``refresh``, read again first."""
         if refresh:
@@ -148,27 +154,49 @@ def native_store(store: Any) -> Any:
 
 
 _LAZY = "TORCH_GLOO_LAZY_INIT"
-_LAZY_LOCK = threading.Lock()
+_LAZY_LOCK = threading.RLock()  # (re-entered by a group made while another is)
+
+
+def init_gloo(store: WatchedStore, rank: int, world: int, timeout: datetime.timedelta, *, lazily: bool) -> None:
+    """torch's default group on gloo, formed in ``store``; ``lazily``: see ``connecting``.
+
+    A group that connects lazily asks the store for a peer's address at the first call between the
+    two, often on its transport threads: it is handed the membership's own (native) store, since a
+    transport thread that enters Python while the interpreter ends aborts the process ("terminate
+    called without an active exception"), after all its work. Its members then wait, watched, until
+    every address is written, so that no native wait can be left waiting on a member that died
+    first. Groups made later on the caller's thread, which connect at once, form in the watched
+    store."""
+    with connecting(lazily=lazily):
+        dist.init_process_group("gloo", store=store.inner if lazily else store, rank=rank, world_size=world,
+                                timeout=timeout)
+    if lazily:
+        store.wait_for_members()
+        # where torch finds the store that groups made later form in: the watched one, the same keys
+        c10d = dist.distributed_c10d
+        group = c10d._get_default_group()
+        backend, _ = c10d._world.pg_map[group]
+        c10d._world.pg_map[group] = (backend, _c10d.PrefixStore(f"{group.group_name}/", store))
 
 
 @contextlib.contextmanager
-def connecting_lazily(lazily: bool) -> Iterator[None]:
-    """Gloo groups made inside connect each pair of ranks on its first use rather than all at
-    once (torch's ``TORCH_GLOO_LAZY_INIT``, read when a group is made). Gloo retries a connection
-    to a process that is gone for five times the group's timeout, in C++ where nothing can cut it
-    short; a shrink's or an admit's default group, where members die most, makes its connections
-    inside its first calls instead, whose waits watch the peers and give up on a dead one at once.
-    The variable is the process's: another thread making a gloo group meanwhile connects lazily too."""
-    if not lazily:
-        yield
-        return
+def connecting(*, lazily: bool) -> Iterator[None]:
+    """Gloo groups made inside connect each pair of ranks on its first use (``lazily``) or all at
+    once (torch's ``TORCH_GLOO_LAZY_INIT``, read when a group is made; set either way, so that a
+    user's setting can't make a group whose transport threads call the Python store). Gloo retries
+    a connection to a process that is gone for five times the group's timeout, in C++ where nothing
+    can cut it short; a shrink's or an admit's default group, where members die most, makes its
+    connections inside its first calls instead, whose waits watch the peers and give up on a dead
+    one at once. The variable is the process's: another thread making a gloo group meanwhile
+    connects the same way."""
+    value = "1" if lazily else "0"
     with _LAZY_LOCK:
         before = os.environ.get(_LAZY)
-        os.environ[_LAZY] = "1"
+        os.environ[_LAZY] = value
         try:
             yield
         finally:
-            if os.environ.get(_LAZY) == "1":  # (unless changed meanwhile)
+            if os.environ.get(_LAZY) == value:  # (unless changed meanwhile)
                 if before is None:
                     del os.environ[_LAZY]
                 else:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from ._communicator import DEFAULT_TIMEOUT
 from ._defaults import set_default
 from ._errors import CommunicatorStateError, PeerError
-from ._forming import FormingFailed, WatchedStore, connecting_lazily, publish_pid
+from ._forming import FormingFailed, WatchedStore, init_gloo, publish_pid
 from ._keepalive import keep_alive
 from ._launchers import LaunchEnv
 from ._membership import reformed, shrink_begun, successor
@@ -149,9 +149,9 @@ def start_seat(cls: type[_TorchCommunicator], seat: Seat, *, timeout: float | da
 _FAILED_TRIES: list[Any] = []
 """The errors of tries at a group that failed, kept for the life of the process with all they hold
 (the try's frames, its half-built communicator and groups). Freeing a gloo group joins its worker
-threads, and one of those may be waiting for the interpreter's lock to ask the store a question
-(a lazily made connection): freed on the thread that holds that lock, the process would hang.
-Not even at exit (the interpreter's teardown would free them)."""
+threads, and one of those may still wait on a peer that is gone (for a lazily made connection, up to
+the group's timeout): freed, the try would hold its caller that long. Not even at exit (the
+interpreter's teardown would free them)."""
 ctypes.pythonapi.Py_IncRef(ctypes.py_object(_FAILED_TRIES))
 
 
@@ -168,8 +168,7 @@ def _form(cls: type[_TorchCommunicator], seat: Seat, store: WatchedStore, second
             torch.cuda.set_device(device)
             dist.init_process_group("nccl", store=store, rank=rank, world_size=world, timeout=td, device_id=device)
         else:
-            with connecting_lazily(not seat.epoch.startswith("round-")):
-                dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=td)
+            init_gloo(store, rank, world, td, lazily=not seat.epoch.startswith("round-"))
         pids = store.known_pids(refresh=True)
         comm = cls(None, _owns_default=True, _pids={i: pids[r] for i, r in enumerate(seat.members) if r in pids},
                    _seat=seat, **kwargs)

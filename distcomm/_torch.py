@@ -27,7 +27,7 @@ from ._errors import (
     CollectiveError,
     CommunicatorStateError,
 )
-from ._forming import native_store
+from ._forming import connecting, native_store
 from ._gathered_reduce import gathered_reduce, gathered_traffic, takes_gathered
 from ._handles import Queues
 from ._header_exchange import (
@@ -267,10 +267,11 @@ class _TorchCommunicator(Communicator):
         return None
 
     def _new_group(self, ranks: list[int], backend: str | None) -> Any:
-        g = dist.new_group(
-            [self._ranks[r] for r in ranks], backend=backend, timeout=_td(self._timeout),
-            use_local_synchronization=not self._is_world,
-        )
+        with connecting(lazily=False):  # (its transport threads never ask the Python store: see init_gloo)
+            g = dist.new_group(
+                [self._ranks[r] for r in ranks], backend=backend, timeout=_td(self._timeout),
+                use_local_synchronization=not self._is_world,
+            )
         if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER:
             self._owned.append(g)
             if not self._is_world:

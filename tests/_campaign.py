@@ -33,6 +33,7 @@ RANK_PROGRAM = textwrap.dedent("""
     seed, steps, world = int(sys.argv[1]), int(sys.argv[2]), int(os.environ["WORLD_SIZE"])
     kill_after, kill_in = float(os.environ.get("KILL_AFTER", "-1")), os.environ.get("KILL_IN", "")
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # where a hung process stands: the driver asks
+    faulthandler.enable(all_threads=True)  # and where each thread stood, in a process that aborts
     print(f"event: started at {time.time():.2f}", file=sys.stderr, flush=True)
     comm = distcomm.from_env(timeout=60)
     die = lambda: os.kill(os.getpid(), signal.SIGKILL)
@@ -237,8 +238,9 @@ def _judge(everyone: list[_Process], hung: list[_Process], kills: int, seed: int
         lines = [json.loads(line) for line in p.out.read_text().splitlines() if line.startswith("{")]
         if p.popen.returncode != 0 or not lines:
             out.wrong += 1
+            said = _our_frames(stderr) if "hread 0x" in stderr else stderr[-1500:]  # (an abort dumps its threads)
             out.details.append(f"seed {seed} world {world}: {p.name} exited {p.popen.returncode} after saying "
-                               f"{lines[-1:]}: {stderr[-1500:]}")
+                               f"{lines[-1:]}: {said}")
             continue
         finals.append(lines[-1]["members"])
     if len({json.dumps(f) for f in finals}) > 1:

@@ -523,6 +523,48 @@ def test_a_rank_left_waiting_in_an_old_group_exits_cleanly(tmp_path: Path) -> No
     del store
 
 
+
+ASKED_FROM_TRANSPORT = """
+    import json, sys, threading
+    import torch
+    import distcomm
+    from distcomm import _forming
+
+    asked = []  # the store calls made on threads Python didn't start: gloo's own
+    for name in ("get", "wait", "check", "set", "add"):
+        def spy(self, *args, _call=getattr(_forming.WatchedStore, name), _name=name):
+            if isinstance(threading.current_thread(), threading._DummyThread):
+                asked.append(_name)
+            return _call(self, *args)
+        setattr(_forming.WatchedStore, name, spy)
+
+    comm = distcomm.from_env(timeout=60)
+    if sys.argv[1] == "shrink":
+        comm = comm.shrink()  # no one lost: a membership whose group connects lazily
+    n, r = comm.world_size, comm.rank
+    assert comm.all_to_all([(r, d) for d in range(n)]) == [(s, r) for s in range(n)]  # every pair connects
+    t = torch.ones(4)
+    comm.all_reduce(t)
+    comm.broadcast_tensor(t, src=n - 1)
+    assert t.tolist() == [float(n)] * 4
+    comm.close()
+    print(json.dumps({"asked": asked}), flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["shrink", "TORCH_GLOO_LAZY_INIT=1"])
+def test_a_lazily_connected_group_never_asks_the_python_store_from_its_transport_threads(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """After a shrink (or in any group, with the user's TORCH_GLOO_LAZY_INIT), a group connects each
+    pair at its first call, asking the store for the peer's address on gloo's own threads. Asking a
+    Python store there aborted a process that ended while one of them did ("terminate called without
+    an active exception")."""
+    if how != "shrink":
+        monkeypatch.setenv(*how.split("="))
+    _, procs = _job(tmp_path, ASKED_FROM_TRANSPORT, 3, how)
+    for r, (code, lines, err) in _ended(procs).items():
+        assert code == 0 and lines == [{"asked": []}], (r, code, lines, err)
+
 # ---------------------------------------------------------------- launch(..., elastic=True)
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "elastic_train.py"
 
