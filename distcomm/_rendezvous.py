@@ -20,6 +20,7 @@ process: other ranks may still be reaching it for a later round, and survivors o
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import ipaddress
@@ -102,7 +103,7 @@ def meet(host: str, port: int, rank: int, world: int, seconds: float, *, scope: 
     where = f"{what} at {host}:{port}"
     served = hosted and rank == 0 and port not in _SERVED
     raw = _connect(host, port, rank, world, seconds, hosted, where)
-    watch = None if served else _watch(host, port)
+    watch = _StoreWatch(host, port, hosted=hosted, serving=served)
     try:
         job = _c10d().PrefixStore(f"distcomm/{scope}", raw)
         token = f"{socket.gethostname()} pid {os.getpid()} {secrets.token_hex(4)}"
@@ -113,8 +114,7 @@ def meet(host: str, port: int, rank: int, world: int, seconds: float, *, scope: 
     except BaseException as e:
         error = e
     finally:
-        if watch is not None:
-            watch.close()
+        watch.close()
     # A failed rendezvous lets go of the port it opened: nothing may hold the store, and the
     # error's traceback (its frames hold it) goes.
     raw = job = None
@@ -147,17 +147,17 @@ def _take_place(job: Any, rank: int, world: int, token: str, where: str) -> int:
 
 
 def _wait_for_round(job: Any, number: int, rank: int, world: int, token: str, deadline: float,
-                    seconds: float, where: str, watch: socket.socket | None) -> Seat:
-    """Wait until round ``number`` is complete, or the members let this rank in. ``watch``: a
-    connection to the store's port that only its host's end makes readable (looked at before each
-    look at the store: torch's client prints a page of C++ frames for a call to a store that is gone)."""
+                    seconds: float, where: str, watch: _StoreWatch) -> Seat:
+    """Wait until round ``number`` is complete, or the members let this rank in; ``watch`` is looked at
+    before each look at the store (torch's client prints a page of C++ frames for a call to a store
+    that is gone)."""
     rnd = _c10d().PrefixStore(f"round-{number}", job)
     found: list[str] = []
     pause = POLL_FIRST
     try:  # looked at, not waited on: a timed-out wait fills the output with torch's C++ warnings
         while True:
-            if watch is not None and readable(watch):
-                raise _went_away(rank, where)
+            if watch.gone():
+                raise watch.went_away(rank, where)
             found = [k for k in ("complete", admitted_key(rank, token), refused_key(rank, token)) if rnd.check([k])]
             if found or time.monotonic() > deadline:
                 break
@@ -166,13 +166,13 @@ def _wait_for_round(job: Any, number: int, rank: int, world: int, token: str, de
     except DistCommError:
         raise
     except Exception:
-        raise _missing(rnd, rank, world, seconds, where) from None
+        raise _missing(rnd, rank, world, seconds, where, watch) from None
     if refused_key(rank, token) in found:
         raise ValueError(f"{where}: {rnd.get(refused_key(rank, token)).decode()}")
     if admitted_key(rank, token) in found:
         return admitted_seat(job, rnd.get(admitted_key(rank, token)).decode(), rank, token, where)
     if not found:
-        raise _missing(rnd, rank, world, seconds, where)
+        raise _missing(rnd, rank, world, seconds, where, watch)
     if rnd.get(f"rank/{rank}").decode() != token:
         raise ValueError(f"{where}: another process took rank {rank}'s place in this round "
                          f"({rnd.get(f'rank/{rank}').decode()}; this one: {token}): two processes were started as "
@@ -208,30 +208,42 @@ def ranks_in(text: bytes) -> tuple[int, ...]:
     return tuple(int(r) for r in text.decode().split(",") if r)
 
 
-def _missing(rnd: Any, rank: int, world: int, seconds: float, where: str) -> DistCommError:
-    """What the wait for the other ranks ran into: who never arrived, or the host went away."""
+def _missing(rnd: Any, rank: int, world: int, seconds: float, where: str, watch: _StoreWatch) -> DistCommError:
+    """What the wait for the other ranks ran into: who never arrived, or the store went away."""
     try:
         missing = [r for r in range(world) if not rnd.check([f"rank/{r}"])]
     except Exception:
-        return _went_away(rank, where)
+        return watch.went_away(rank, where)
     return CollectiveTimeoutError(
         f"{where} did not complete within {seconds:g} s: rank {rank} waited for rank(s) {_ranks(missing)} of "
         f"{world}, which never arrived (not started, or started with other variables)", op="rendezvous",
         ranks=missing)
 
 
-def _went_away(rank: int, where: str) -> PeerError:
-    return PeerError(f"{where} went away while rank {rank} waited for the other ranks: its host (rank 0) "
-                     f"ended or lost its connection", op="rendezvous", ranks=[0])
-
-
-def _watch(host: str, port: int) -> socket.socket | None:
+class _StoreWatch:
     """A plain connection to the store's port: the store never sends on it, so it becomes readable
-    only when the store's host goes away (None where it can't be made: the store's own errors say)."""
-    try:
-        return socket.create_connection((host, port), timeout=5.0)
-    except OSError:
-        return None
+    only when the process serving it goes away. None where this process serves it, or where it can't
+    be made (the store's own errors say). ``hosted``: rank 0 serves the store (else a launcher's
+    process, or one apart)."""
+
+    def __init__(self, host: str, port: int, *, hosted: bool, serving: bool) -> None:
+        self.hosted = hosted
+        self.sock: socket.socket | None = None
+        if not serving:
+            with contextlib.suppress(OSError):
+                self.sock = socket.create_connection((host, port), timeout=5.0)
+
+    def gone(self) -> bool:
+        return self.sock is not None and readable(self.sock)
+
+    def went_away(self, rank: int, where: str) -> PeerError:
+        server = "its host (rank 0)" if self.hosted else "the process serving it (the launcher's, or one apart)"
+        return PeerError(f"{where} went away while rank {rank} waited for the other ranks: {server} ended or "
+                         f"lost its connection", op="rendezvous", ranks=[0] if self.hosted else [])
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
 
 
 _SERVED: dict[int, Any] = {}

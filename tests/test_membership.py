@@ -111,6 +111,16 @@ def test_a_rank_waiting_when_the_store_host_gives_up_is_told_in_one_line(capfd: 
     assert "frame #" not in capfd.readouterr().err
 
 
+def test_a_rank_waiting_when_a_launchers_store_goes_away_is_told_which_process_served_it() -> None:
+    """The store is the launcher's (torchrun's agent), not rank 0's: the error says so, and names no rank."""
+    port = distcomm.free_port()
+    agents = [_launchers_store(port)]
+    got = _ranks_at_once([lambda: meet("127.0.0.1", port, 1, 2, 30.0, hosted=False),
+                          lambda: (time.sleep(1.0), agents.clear())])  # the agent ends while rank 1 waits
+    assert isinstance(got[0], distcomm.PeerError) and got[0].ranks == (), got
+    assert "went away while rank 1 waited for the other ranks: the process serving it (the launcher's" in str(got[0])
+
+
 def test_a_host_name_that_does_not_resolve_is_named_at_once() -> None:
     start = time.monotonic()
     with pytest.raises(distcomm.CommunicatorStateError, match="does not resolve on this machine"):
