@@ -4,9 +4,10 @@ and admitting replacements, every collective's result checked exactly against th
 A job is ``world`` processes of ``RANK_PROGRAM`` started as a job controller starts them, with the
 store served by the driver (so any rank may die, rank 0 included). Victims die after a random
 delay (inside a collective or between two), or when they enter ``shrink`` or ``admit``. The
-driver starts a replacement for each victim at once. Counted per job: kills, hangs (a process
-still running at the bound), and wrong results or disagreements (a survivor that exits non-zero,
-or survivors that end with different memberships).
+driver starts a replacement for each victim at once; in some jobs the first replacement dies too
+(while it waits to be let in, inside the admit, or just after), and is started again. Counted per
+job: kills, hangs (a process still running at the bound), and wrong results or disagreements (a
+survivor that exits non-zero, or survivors that end with different memberships).
 """
 
 from __future__ import annotations
@@ -35,8 +36,11 @@ RANK_PROGRAM = textwrap.dedent("""
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # where a hung process stands: the driver asks
     faulthandler.enable(all_threads=True)  # and where each thread stood, in a process that aborts
     print(f"event: started at {time.time():.2f}", file=sys.stderr, flush=True)
-    comm = distcomm.from_env(timeout=60)
     die = lambda: os.kill(os.getpid(), signal.SIGKILL)
+    waiting = threading.Timer(float(os.environ.get("KILL_WAITING", "1e9")), die)
+    waiting.daemon = True  # (a replacement that dies while it waits to be let in, as it is, or just after)
+    waiting.start()
+    comm = distcomm.from_env(timeout=60)
     timer = threading.Timer(kill_after, die)
     if kill_after >= 0:
         timer.start()
@@ -108,6 +112,7 @@ RANK_PROGRAM = textwrap.dedent("""
                 die()
             comm, shrinks, agree = comm.shrink(), shrinks + 1, True
     timer.cancel()  # a kill after the job's end would leave its replacement nothing to join
+    waiting.cancel()
     final = comm.all_gather(list(comm.membership.job_ranks))
     assert all(f == final[0] for f in final), final
     print(json.dumps({"members": list(comm.membership.job_ranks), "shrinks": shrinks, "admits": admits,
@@ -139,26 +144,29 @@ def run_job(tmp: Path, world: int, seed: int, steps: int = 300, bound: float = 1
     script.write_text(RANK_PROGRAM)
     port = distcomm.free_port()
     store = serve_store(f"tcp://127.0.0.1:{port}", world, bound)
-    plan = _plan(rng, world)
-    procs = {r: _Process.start(script, f"rank {r}", r, world, port, seed, steps, plan.get(r, {})) for r in range(world)}
-    replacements: dict[int, _Process] = {}
+    plan, doomed = _plan(rng, world), _replacement_plan(rng)
+    latest = {r: _Process.start(script, f"rank {r}", r, world, port, seed, steps, plan.get(r, {}))
+              for r in range(world)}
+    everyone = list(latest.values())
     kills = 0
     deadline = time.monotonic() + bound
     try:
-        while time.monotonic() < deadline and any(p.running() for p in [*procs.values(), *replacements.values()]):
-            for r, p in procs.items():
-                if p.popen.poll() == -signal.SIGKILL and r not in replacements:
+        while time.monotonic() < deadline and any(p.running() for p in everyone):
+            for r, p in list(latest.items()):
+                if p.popen.poll() == -signal.SIGKILL:  # started again at once, as a job controller would
                     kills += 1
-                    replacements[r] = _Process.start(script, f"replacement of {r}", r, world, port, seed, steps, {})
+                    name = f"{'replacement' if p.name.startswith('rank') else 'second replacement'} of {r}"
+                    latest[r] = _Process.start(script, name, r, world, port, seed, steps, doomed)
+                    everyone.append(latest[r])
+                    doomed = {}
             time.sleep(0.05)
-        everyone = [*procs.values(), *replacements.values()]
         hung = _stop_hung(everyone)
         outcome = _judge(everyone, hung, kills, seed, world)
         if outcome.hangs or outcome.wrong:
             outcome.details.append(f"seed {seed} world {world}: the job's store at the end:\n{_membership_keys(store)}")
         return outcome
     finally:
-        for p in [*procs.values(), *replacements.values()]:
+        for p in everyone:
             p.end()
         del store
 
@@ -221,6 +229,12 @@ def _plan(rng: random.Random, world: int) -> dict[int, dict[str, str]]:
     if world > 4:  # a second wave, once the first has been shrunk away
         plan[ranks[3]] = {"KILL_AFTER": f"{float(at) + rng.uniform(2.0, 4.0):.3f}"}
     return plan
+
+
+def _replacement_plan(rng: random.Random) -> dict[str, str]:
+    """Whether the job's first replacement dies too, and when: often while it waits to be let in,
+    or inside the admit that lets it in (then it is started again)."""
+    return {"KILL_WAITING": f"{rng.uniform(0.3, 3.0):.3f}"} if rng.random() < 0.3 else {}
 
 
 def _judge(everyone: list[_Process], hung: list[_Process], kills: int, seed: int, world: int) -> Outcome:
