@@ -7,7 +7,9 @@ lost and a job ended. Here the group forms over ``WatchedStore``, whose waits lo
 between looks at the keys: a member found gone (by its pid on this machine, or by the keep-alive
 across machines), or a shrink of the membership begun elsewhere, ends the wait, and
 ``start_seat`` then agrees on the survivors and forms again. A member that dies after writing
-its address is met by the group's first calls instead (see ``connecting``).
+its address is met by the group's first calls instead (see ``connecting``). A group whose own
+threads ask its store (a gloo group that connects lazily, any NCCL group) holds the native store
+instead, its members having waited for each other in ``WatchedStore`` (see ``init_gloo``).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from ._membership import shrink_begun
 from ._rendezvous import Seat
 from ._waits import HOSTS_LOST, alive, machine, process_id
 
-__all__ = ["FormingFailed", "WatchedStore", "connecting", "init_gloo", "native_store", "publish_pid"]
+__all__ = ["FormingFailed", "WatchedStore", "connecting", "init_gloo", "init_nccl", "native_store", "publish_pid"]
 
 _c10d: Any = torch._C._distributed_c10d
 
@@ -71,7 +73,7 @@ class WatchedStore(_c10d.Store):  # type: ignore[misc]
         self.inner.set(key, value)
 
     def get(self, key: str) -> bytes:
-        self.wait([key])  # (NCCL's ranks get their id without waiting for it first)
+        self.wait([key])  # (a get waits for its key, as torch's own stores do)
         return bytes(self.inner.get(key))
 
     def add(self, key: str, amount: int) -> int:
@@ -161,22 +163,37 @@ def init_gloo(store: WatchedStore, rank: int, world: int, timeout: datetime.time
     """torch's default group on gloo, formed in ``store``; ``lazily``: see ``connecting``.
 
     A group that connects lazily asks the store for a peer's address at the first call between the
-    two, often on its transport threads: it is handed the membership's own (native) store, since a
-    transport thread that enters Python while the interpreter ends aborts the process ("terminate
-    called without an active exception"), after all its work. Its members then wait, watched, until
-    every address is written, so that no native wait can be left waiting on a member that died
-    first. Groups made later on the caller's thread, which connect at once, form in the watched
-    store."""
+    two, often on its transport threads. A thread of torch's own that enters Python while the
+    interpreter ends aborts the process ("terminate called without an active exception"), after
+    all its work: so such a group is handed the membership's own (native) store, and its members
+    then wait, watched, until every address is written (no native wait is left waiting on a
+    member that died first)."""
     with connecting(lazily=lazily):
         dist.init_process_group("gloo", store=store.inner if lazily else store, rank=rank, world_size=world,
                                 timeout=timeout)
     if lazily:
         store.wait_for_members()
-        # where torch finds the store that groups made later form in: the watched one, the same keys
-        c10d = dist.distributed_c10d
-        group = c10d._get_default_group()
-        backend, _ = c10d._world.pg_map[group]
-        c10d._world.pg_map[group] = (backend, _c10d.PrefixStore(f"{group.group_name}/", store))
+        _later_groups_form_in(store)
+
+
+def init_nccl(store: WatchedStore, rank: int, world: int, timeout: datetime.timedelta, device: torch.device) -> None:
+    """torch's default group on NCCL, formed in the membership's own (native) store: NCCL's monitor
+    thread asks the group's store once a second while the group is idle (has another rank asked for
+    a dump?), which through a Python store would be ``init_gloo``'s hazard, for the life of the group.
+    The members first wait, watched, until every one is there, since NCCL's set-up then waits
+    natively for rank 0's id."""
+    store.wait_for_members()
+    dist.init_process_group("nccl", store=store.inner, rank=rank, world_size=world, timeout=timeout, device_id=device)
+    _later_groups_form_in(store)
+
+
+def _later_groups_form_in(store: WatchedStore) -> None:
+    """Point torch's record of the default group's store (where the groups made later form, on the
+    caller's thread) at the watched one: the same keys."""
+    c10d = dist.distributed_c10d
+    group = c10d._get_default_group()
+    backend, _ = c10d._world.pg_map[group]
+    c10d._world.pg_map[group] = (backend, _c10d.PrefixStore(f"{group.group_name}/", store))
 
 
 @contextlib.contextmanager
