@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 
 from ._errors import CollectiveTimeoutError, PeerError
+from ._liveness import HOSTS_LOST, alive, machine, process_id
 from ._membership import shrink_begun
 from ._rendezvous import Seat
-from ._waits import HOSTS_LOST, alive, machine, process_id
 
 __all__ = ["FormingFailed", "WatchedStore", "connecting", "init_gloo", "init_nccl", "native_store", "publish_pid"]
 

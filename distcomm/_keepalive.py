@@ -15,8 +15,9 @@ import threading
 import time
 from typing import Any
 
+from ._failure_report import tcp_store
+from ._liveness import HOSTS_LOST, LOSS_SECONDS, alive, readable
 from ._rendezvous import Seat
-from ._waits import HOSTS_LOST, LOSS_SECONDS, alive, readable, tcp_store
 
 __all__ = ["BEAT_SECONDS", "keep_alive"]
 

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 from ._calls import CallSpec, Op
 from ._errors import CommunicatorStateError, DistCommError, PeerError
 from ._keepalive import keep_alive
+from ._liveness import HOSTS_LOST, LOSS_SECONDS, alive
 from ._rendezvous import Seat, admitted_key, admitted_seat, pid_key, ranks_in, refused_key
-from ._waits import HOSTS_LOST, LOSS_SECONDS, alive
 
 if TYPE_CHECKING:
     from ._torch import _TorchCommunicator

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from ._errors import CollectiveTimeoutError, CommunicatorStateError, DistCommError, PeerError
-from ._waits import machine, readable
+from ._liveness import machine, readable
 
 __all__ = ["Seat", "admitted_key", "admitted_seat", "meet", "parse_url", "pid_key", "ranks_in", "refused_key",
            "serve_store", "unreachable_here", "unresolved"]

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from ._communicator import DEFAULT_TIMEOUT
 from ._defaults import set_default
 from ._errors import CommunicatorStateError, PeerError
+from ._failure_report import store_host_pid
 from ._forming import FormingFailed, WatchedStore, init_gloo, init_nccl, publish_pid
 from ._keepalive import keep_alive
 from ._launchers import LaunchEnv
@@ -31,7 +32,6 @@ from ._membership import reformed, shrink_begun, successor
 from ._memory import seconds as _seconds
 from ._messages import settle_limit
 from ._rendezvous import Seat, meet, parse_url, unreachable_here, unresolved
-from ._waits import store_host_pid
 
 if TYPE_CHECKING:
     from ._torch import _TorchCommunicator

@@ -27,6 +27,7 @@ from ._errors import (
     CollectiveError,
     CommunicatorStateError,
 )
+from ._failure_report import fail
 from ._forming import connecting, native_store
 from ._gathered_reduce import gathered_reduce, gathered_traffic, takes_gathered
 from ._handles import Queues
@@ -40,13 +41,14 @@ from ._header_exchange import (
     table_index,
 )
 from ._launchers import detect
+from ._liveness import process_id
 from ._membership import Membership
 from ._messages import settle_eager, settle_limit, torch_recv, torch_send
 from ._one_at_a_time import exclusive
 from ._rendezvous import Seat
 from ._serialization import Serializer
 from ._start import start_from, start_seat
-from ._waits import SLICE, fail, interrupted, process_id, timedelta_of, wait
+from ._waits import SLICE, interrupted, timedelta_of, wait
 
 __all__ = ["GlooCommunicator", "NcclCommunicator"]
 

@@ -1,6 +1,7 @@
-"""Waiting on the torch transports' native work, and failing well: slices that look at Ctrl-C and
-at the peers' processes between them, a waiter thread for point-to-point transfers, and the
-failure report that asks the job's store who reached the call and what every rank is doing."""
+"""Waiting on the torch transports' native work: slices that look at Ctrl-C and at the peers
+between them (their processes, their keep-alives, the members that left the call), and waiter
+threads for point-to-point transfers. A wait that fails ends in the failure report
+(``_failure_report.fail``)."""
 
 from __future__ import annotations
 
@@ -9,24 +10,21 @@ import datetime
 import functools
 import os
 import queue
-import secrets
-import select
-import socket
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, Literal, NoReturn
+from typing import TYPE_CHECKING, Any
 
 from . import _frame
-from ._agreement import states_table
-from ._errors import CollectiveError, CollectiveTimeoutError, DistCommError, PeerError, clipped, transport_text
+from ._errors import CollectiveTimeoutError, DistCommError, PeerError
+from ._failure_report import fail, store_says
+from ._liveness import HOSTS_LOST, LOSS_SECONDS, alive
 
 if TYPE_CHECKING:
     from ._torch import _TorchCommunicator
 
-__all__ = ["HOSTS_LOST", "LOSS_SECONDS", "SLICE", "alive", "tcp_store", "timedelta_of", "fail", "interrupted",
-           "machine", "process_id", "store_host_pid", "wait", "wait_whole"]
+__all__ = ["SLICE", "WAITERS", "check_peers", "interrupted", "timedelta_of", "wait", "wait_whole", "watch"]
 
 
 @functools.lru_cache(maxsize=16)
@@ -104,49 +102,6 @@ SETTLE_AT_EXIT = 5.0
 """The longest exit waits for waits left running (registered first, so it runs after every
 communicator is closed at exit)."""
 atexit.register(WAITERS.settle, SETTLE_AT_EXIT)
-
-
-def process_id() -> tuple[str, int, int]:
-    """(boot id, PID namespace, pid): two ranks with the same first two can see each other's pid."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-        namespace = os.stat("/proc/self/ns/pid").st_ino
-    except OSError:  # not Linux: no liveness checks
-        return (f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(4)}", 0, os.getpid())
-    return (boot, namespace, os.getpid())
-
-
-def readable(sock: socket.socket) -> bool:
-    """Whether ``sock`` has something to read, or its other end closed (poll: select() refuses
-    descriptors past 1023, which a process with many files open reaches)."""
-    poller = select.poll()
-    poller.register(sock, select.POLLIN)
-    return bool(poller.poll(0))
-
-
-def machine() -> str:
-    """What tells this machine's processes (one pid namespace) from other machines'."""
-    boot, namespace, _ = process_id()
-    return f"{boot}-{namespace}"
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # exiting (its sockets about to close), or exited and not yet reaped by its parent
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()
-        return fields[0] != "Z" and not int(fields[6]) & _PF_EXITING
-    except (OSError, IndexError, ValueError):
-        return True
-
-
-_PF_EXITING = 0x4  # the kernel's flag for a process inside exit(), in /proc/<pid>/stat
 
 
 # Waits longer than a slice look, between slices, at Ctrl-C and at the peers' processes. A
@@ -254,10 +209,6 @@ def interrupted(comm: _TorchCommunicator, e: BaseException) -> None:
                       f"waiting for its peers")
 
 
-HOSTS_LOST: list[int] = []
-"""The job rank whose keep-alive beat stopped in this process's membership (see _keepalive)."""
-
-
 def check_peers(comm: _TorchCommunicator, needed: Iterable[int], seen: dict[int, float], what: str = "") -> None:
     """Raise PeerError for a peer this wait needs whose process has been gone for DEAD_GRACE, for
     any member whose keep-alive stopped (its host is down or cut off: nothing resets its
@@ -273,7 +224,7 @@ def check_peers(comm: _TorchCommunicator, needed: Iterable[int], seen: dict[int,
     op, what = (what.split()[0], what) if what else (comm._op_label, _call(comm))
     if HOSTS_LOST and not gone:
         gone = _host_lost(comm, HOSTS_LOST[0], what, op)  # (a process this machine sees is named by its pid)
-    said = "" if gone else _store_says(comm, seen, now, collective=not what.startswith(("send", "recv")))
+    said = "" if gone else store_says(comm, seen, now, collective=not what.startswith(("send", "recv")))
     if said == "left":
         comm._mark_broken(f"{what}: the other members left it")
         raise PeerError(f"{what}: the other members have left this call to agree on who is left (a rank was lost); "
@@ -286,39 +237,6 @@ def check_peers(comm: _TorchCommunicator, needed: Iterable[int], seen: dict[int,
         raise PeerError(f"{what}: lost a peer: {names} on this machine exited while this rank still needed it "
                         f"(its connections may stay open in a process it forked, so the transport can't tell)",
                         op=op, ranks=[r for r, _ in gone])
-
-
-def _store_says(comm: _TorchCommunicator, seen: dict[int, float], now: float, collective: bool) -> str:
-    """What the job's store says of the call this rank still waits in, looked at once a second:
-    "left" when the other members of this job communicator's membership have begun to agree on
-    its survivors (a pair of ranks never connected, in a group that connects lazily, has no
-    connection whose close would say so); "failed" when another rank's transport lost a peer in
-    this collective (so the call can't complete, and its report waits for this rank's:
-    a rank that no connection of the dead one reaches, in a large world, learns it here); else ""."""
-    if now - seen.get(-1, 0.0) < 1.0:
-        return ""
-    seen[-1] = now
-    from ._keepalive import keep_alive  # (they import this module)
-    from ._membership import shrink_begun
-
-    if keep_alive.store_gone():  # (asked anyway, torch's client prints a page of warnings)
-        return ""
-    seat = comm._seat
-    if seat is None:  # (only a job's communicator: its store is the one the keep-alive watches)
-        return ""
-    try:
-        if shrink_begun(seat.job, seat.epoch):
-            return "left"
-        if collective and comm._store is not None and comm._token and comm._store.check([_failed_key(comm)]):
-            return "failed"
-    except Exception:  # noqa: S110 - the store is gone: said elsewhere
-        pass
-    return ""
-
-
-def _failed_key(comm: _TorchCommunicator) -> str:
-    """Where a rank whose transport failed in the current call says so (see ask_store)."""
-    return f"distcomm/{comm._token}/{comm._seq}/failed"
 
 
 def _host_lost(comm: _TorchCommunicator, job_rank: int, what: str, op: str) -> list[tuple[int, int]]:
@@ -335,132 +253,3 @@ def _host_lost(comm: _TorchCommunicator, job_rank: int, what: str, op: str) -> l
     raise PeerError(f"{what}: lost a peer: rank {rank} (job rank {job_rank}) has not answered for "
                     f"{LOSS_SECONDS:g} s (its keep-alive in the job's store stopped: its host is down or cut off)",
                     op=op, ranks=[rank])
-
-
-LOSS_SECONDS = 30.0
-"""A keep-alive beat that has not moved for this long is a lost rank (its host is down or cut off).
-Sixty beats: a machine running many more ranks than cores starves a beat's thread for seconds (a
-33-rank world on 2 cores left one silent for over 5 s), and a rank declared lost ends the job's
-collectives, so a healthy one must never be."""
-
-
-def ask_store(comm: _TorchCommunicator, grace: float,
-              lost: bool = False) -> tuple[list[int], dict[int, str]] | Literal["no store", "unreachable"]:
-    """Write that this rank failed at this call, and what it is doing; wait ``grace`` for the
-    others (no longer once every rank still missing is a process seen gone: it will never say).
-    Return who reached this call, and what each rank that failed in any call reported;
-    or why not: no store to ask (or set-up, before the ranks share a token), or it didn't answer.
-    ``lost``: the transport lost a connection (its peer may be exiting)."""
-    if comm._store is None or not comm._token:
-        return "no store"
-    if not _store_answers(comm, lost):
-        return "unreachable"
-    prefix = f"distcomm/{comm._token}/{comm._seq}/"
-    states = f"distcomm/{comm._token}/state/"
-    try:
-        comm._store.set(states + str(comm._rank), comm._state())
-        comm._store.set(prefix + str(comm._rank), "1")
-        if lost:  # (the ranks still waiting in it learn it: _store_says; a timeout is each rank's own)
-            comm._store.set(_failed_key(comm), "1")
-        deadline = time.monotonic() + grace
-        while True:
-            present = [r for r in range(comm._world) if comm._store.check([prefix + str(r)])]
-            if time.monotonic() > deadline or all(_gone(comm, r) for r in range(comm._world) if r not in present):
-                break
-            time.sleep(0.05)
-        told = {r: comm._store.get(states + str(r)).decode("utf-8", "replace")
-                for r in range(comm._world) if comm._store.check([states + str(r)])}
-        return present, told
-    except Exception:  # the store may be gone with the peer that hosted it
-        return "unreachable"
-
-
-def _gone(comm: _TorchCommunicator, rank: int) -> bool:
-    """Whether ``rank``'s process is seen gone (on this machine)."""
-    pid = comm._peer_pids.get(rank)
-    return pid is not None and not alive(pid)
-
-
-def tcp_store(store: Any) -> Any:
-    """The TCPStore under a store's prefixes, or None (another kind of store, or none)."""
-    while store is not None and hasattr(store, "underlying_store"):  # PrefixStore
-        store = store.underlying_store
-    return store if store is not None and type(store).__name__ == "TCPStore" else None
-
-
-def _store_answers(comm: _TorchCommunicator, lost: bool) -> bool:
-    """Whether the job's TCPStore still takes connections. torch's store client logs a warning with
-    a dump of C++ stack frames for every call to a store that is gone (its host exited first), which
-    would bury this rank's report; a plain connection to its port tells the same silently. A host
-    on this machine is looked at first: one that is exiting may still take a connection, so where a
-    connection was ``lost`` it is given a moment to be gone (not otherwise: the other ranks' grace
-    for this rank's report is running)."""
-    store = tcp_store(comm._store)
-    if store is None:
-        return True
-    host = store_host(comm)
-    pid = None if host is None or host == comm._rank else comm._peer_pids.get(host)
-    if pid is not None:
-        deadline = time.monotonic() + (0.25 if lost else 0.0)
-        while alive(pid):
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.01)
-        else:
-            return False
-    try:
-        with socket.create_connection((store.host, store.port), timeout=1.0):
-            return True
-    except OSError:
-        return False
-
-
-def store_host_pid(comm: _TorchCommunicator) -> int | None:
-    """The pid of the process that serves the job's store, where this machine can see it."""
-    host = store_host(comm)
-    return os.getpid() if host == comm._rank else comm._peer_pids.get(host) if host is not None else None
-
-
-def store_host(comm: _TorchCommunicator) -> int | None:
-    """The rank (in this group) whose process serves the job's TCPStore: global rank 0 (None where
-    a launcher's own process serves it, as torchrun's agent does)."""
-    if tcp_store(comm._store) is None or 0 not in comm._ranks or not comm._store_by_rank0:
-        return None
-    return comm._ranks.index(0)
-
-
-def fail(comm: _TorchCommunicator, exc: BaseException, timeout: float | None) -> NoReturn:
-    text = transport_text(exc)
-    low = text.lower()
-    seq = comm._seq
-    what = f"{comm._op_label} (call #{seq})"
-    comm._mark_broken(f"{what}: {clipped(text, 160)}")
-    grace = 2.0 if timeout is None else min(2.0, max(0.5, timeout / 4))
-    closed = "closed" in low or "reset" in low or "broken pipe" in low or "connection" in low
-    reported = ask_store(comm, grace, lost=closed)
-    present, told = (None, {}) if isinstance(reported, str) else reported
-    missing = [] if present is None else [r for r in range(comm._world) if r not in present]
-    told[comm._rank] = comm._state()
-    table = "\n" + states_table(told, comm._world)
-    who = ""
-    if missing:
-        who = f"; rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} never reported reaching it"
-    host = store_host(comm, ) if reported == "unreachable" else None
-    if host is not None and host != comm._rank:  # the store that names missing ranks is gone: suspect its host
-        missing = [host]
-        who = f"; rank {host}, which hosts the job's store, is unreachable (it exited or its machine is down)"
-    timed_out = "timed out" in low or "timeout" in low
-    if timed_out and not ("closed by peer" in low and present is not None and not missing):
-        raise CollectiveTimeoutError(
-            f"{what} timed out after {timeout}s waiting for its peers{who} (transport: {text}){table}",
-            ranks=missing) from exc
-    if closed and present is not None and not missing:
-        raise CollectiveTimeoutError(
-            f"{what}: every rank reached it, but peers gave up (their timeout expired) before this "
-            f"rank arrived (transport: {text}){table}") from exc
-    if closed:
-        raise PeerError(
-            f"{what}: lost a peer (it exited or its connection closed){who} (transport: {text}){table}",
-            ranks=missing) from exc
-    raise CollectiveError(f"{what} failed in the transport{who}: {text}{table}", op=comm._op_label,
-                          ranks=missing) from exc
