@@ -35,7 +35,7 @@ class _Beat:
     successor: int | None  # the next member, whose beat this process watches (None: alone)
     watch: socket.socket | None  # a connection to the store's port that only its end makes readable
     host_pid: int | None  # the store's host, where this machine sees it
-    seen: tuple[bytes, float] = (b"", 0.0)  # the successor's beat, and when it last moved
+    seen: tuple[int, float] = (-1, 0.0)  # the successor's beat count, and when it last moved
 
     def gone(self) -> bool:
         """Whether the store has gone away, found without asking it."""
@@ -149,7 +149,7 @@ def _follow(seat: Seat) -> _Beat | None:
         watch = None if server is None else socket.create_connection((server.host, server.port), timeout=5.0)
     except OSError:
         return None
-    beat = _Beat(None, seat.epoch, seat.job_rank, successor, watch, None, (b"", time.monotonic()))
+    beat = _Beat(None, seat.epoch, seat.job_rank, successor, watch, None, (-1, time.monotonic()))
     try:
         if beat.gone():
             raise _StoreGone
@@ -169,7 +169,7 @@ def _once(beat: _Beat) -> None:
     if successor is not None:
         key = f"alive/{successor}"
         now = time.monotonic()
-        value = beat.ask("get", key) if beat.ask("check", [key]) else b""
+        value = int(beat.ask("add", key, 0))  # (its count in one call: 0 while it has not beaten yet)
         if value != beat.seen[0]:
             beat.seen = (value, now)
         elif now - beat.seen[1] > LOSS_SECONDS:

@@ -68,12 +68,14 @@ def _agree(seat: Seat, base: str, members: tuple[int, ...], pids: dict[int, int]
            deadline: float) -> tuple[str, tuple[int, ...]]:
     """One round of agreement under ``base``: each member says it is here; one of them, the leader
     (the first to come, or whoever finds the leader gone), looks at who is missing and proposes once
-    the rest are gone; the others only look for the decision and, each second, at the leader. So a
-    member makes a few store calls a second, and only the leader's grow with the world size."""
+    the rest are gone; the others only look for the decision (one store call a poll) and, each
+    second, at the leader. Only the leader's calls grow with the world size. Two leaders (one
+    taken for gone while it lives) are harmless: the first decision written is the one."""
     job = _checked(seat)
     me = seat.job_rank
     try:
         job.set(f"{base}/here/{me}", seat.token)
+        leader = int(job.compare_set(f"{base}/leader", "", str(me)))
     except Exception as e:
         raise _store_lost(seat) from e
     beats: dict[int, tuple[bytes, float]] = {}
@@ -85,12 +87,11 @@ def _agree(seat: Seat, base: str, members: tuple[int, ...], pids: dict[int, int]
             if job.check([f"{base}/decision"]):
                 return _decision(job.get(f"{base}/decision").decode())
             now = time.monotonic()
-            leader = int(job.compare_set(f"{base}/leader", "", str(me)))
             if leader != me:
                 if now >= next_look:
                     next_look = now + 1.0
-                    if _gone(job, leader, pids, beats):  # take over from a lost leader
-                        job.compare_set(f"{base}/leader", str(leader), str(me))
+                    if _gone(job, leader, pids, beats):  # take over from a lost leader (or from its taker)
+                        leader = int(job.compare_set(f"{base}/leader", str(leader), str(me)))
                 time.sleep(POLL_SECONDS)
                 continue
             present = tuple(r for r in members if job.check([f"{base}/here/{r}"]))
