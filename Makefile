@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 RUNTIME := $(VENV)/.distcomm-runtime
 STAMP := $(VENV)/.distcomm-installed
 
-.PHONY: help install demo test test-slow test-launchers test-all test-large test-gpu lint typecheck bench bench-full bench-tensors bench-wire \
+.PHONY: help install demo test test-slow test-launchers test-all test-large test-gpu lint typecheck bench bench-full bench-tensors bench-wire bench-store \
 	bench-simulate bench-recovery clean
 
 help:  ## this list
@@ -79,6 +79,9 @@ bench-wire: $(STAMP)  ## bytes on the wire per rank, one network namespace per r
 
 bench-recovery: $(STAMP)  ## time from a killed rank to the survivors' next collective: shrink vs a torchrun restart, 4 and 8 ranks
 	$(BIN)/python benchmarks/recovery.py
+
+bench-store: $(STAMP)  ## the job's store under 64-1,024 simulated ranks' keep-alives and agreement: calls/s and one call's latency
+	$(BIN)/python benchmarks/store_load.py
 
 bench-simulate: $(STAMP)  ## Python per rank per call against world size, up to 1,024 simulated ranks
 	$(BIN)/python benchmarks/simulate.py
