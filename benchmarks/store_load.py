@@ -43,13 +43,14 @@ RANKS = textwrap.dedent("""
     agreeing = sys.argv[6] == "1"
     BEAT, LOOK = 0.5, 0.05
     calls = [0] * count
-    start = threading.Barrier(count + 1)
+    connected, go = threading.Barrier(count + 1), threading.Event()
 
     def rank(i):
         me = first + i
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60),
                               wait_for_workers=False)
-        start.wait()
+        connected.wait()
+        go.wait()
         end = time.monotonic() + seconds
         next_beat = time.monotonic() + random.uniform(0, BEAT)
         n = 0
@@ -74,8 +75,10 @@ RANKS = textwrap.dedent("""
     threads = [threading.Thread(target=rank, args=(i,), daemon=True) for i in range(count)]
     for t in threads:
         t.start()
-    start.wait()
+    connected.wait()
     print("ready", flush=True)
+    sys.stdin.readline()  # every process's ranks connected (connecting slows the store down): go
+    go.set()
     for t in threads:
         t.join()
     print(sum(calls), flush=True)
@@ -88,12 +91,16 @@ def run(port: int, world: int, seconds: float, agreeing: bool, tmp: Path) -> dic
     per = [world // PROCESSES + (1 if p < world % PROCESSES else 0) for p in range(PROCESSES)]
     firsts = [sum(per[:p]) for p in range(PROCESSES)]
     procs = [subprocess.Popen([sys.executable, str(script), str(port), str(f), str(n), str(world), str(int(seconds)),
-                               "1" if agreeing else "0"], stdout=subprocess.PIPE, text=True)
+                               "1" if agreeing else "0"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
              for f, n in zip(firsts, per, strict=True) if n]  # (their errors go to this process's stderr)
     probe = distcomm._rendezvous._c10d().TCPStore("127.0.0.1", port, is_master=False,
                                                  timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
     for p in procs:  # every rank connected: they start together
         assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write("go\n")
+        p.stdin.flush()
     latencies = []
     end = time.monotonic() + seconds * 0.8
     while time.monotonic() < end:
@@ -101,9 +108,12 @@ def run(port: int, world: int, seconds: float, agreeing: bool, tmp: Path) -> dic
         probe.check(["probe"])
         latencies.append(time.perf_counter() - t)
         time.sleep(random.uniform(0.002, 0.008))
-    outs = [p.communicate(timeout=seconds + 120)[0].strip() for p in procs]
+    outs = [p.stdout.read().strip() if p.stdout else "" for p in procs]  # (the wrapper: "ready" was read through it)
+    for p in procs:
+        p.wait(60)
     if not all(o.isdigit() for o in outs):
-        raise RuntimeError(f"a process of simulated ranks failed (exit codes {[p.returncode for p in procs]})")
+        raise RuntimeError(f"a process of simulated ranks failed: exit codes {[p.returncode for p in procs]}, "
+                           f"said {outs}")
     served = sum(map(int, outs))
     asked = world * (3 / BEAT + (1 / LOOK if agreeing else 0))
     latencies.sort()
