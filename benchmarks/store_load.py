@@ -9,7 +9,8 @@ processes, asking what a rank of a job's communicator asks:
 - beating: the keep-alive's three calls every 0.5 s (its own count, its successor's, the "silent"
   flag), phases spread at random;
 - agreeing: on top of the beat, a member's look for the decision of an agreement, every 50 ms
-  (the leader's own looks, one per member every 0.2 s, are left out: one client, serialized).
+  (left out: its look at the leader's beat, two calls a second; and the leader's own looks, one
+  per member every 0.2 s, from one client).
 Meanwhile this process times one call (a ``check``) at a time: the latency any rank's call meets.
 Prints a markdown table (and writes benchmarks/out/store_load.md). On a machine with few cores the
 simulated ranks' own Python competes with the store for CPU: the figures are an upper bound on the

@@ -7,9 +7,9 @@ lost and a job ended. Here the group forms over ``WatchedStore``, whose waits lo
 between looks at the keys: a member found gone (by its pid on this machine, or by the keep-alive
 across machines), or a shrink of the membership begun elsewhere, ends the wait, and
 ``start_seat`` then agrees on the survivors and forms again. A member that dies after writing
-its address is met by the group's first calls instead (see ``connecting``). A group whose own
-threads ask its store (a gloo group that connects lazily, any NCCL group) holds the native store
-instead, its members having waited for each other in ``WatchedStore`` (see ``init_gloo``).
+its address is met by the group's first calls instead (see ``connecting``). A gloo group that
+connects lazily, whose own threads ask its store, holds the native store instead, its members
+having waited for each other in ``WatchedStore`` (see ``init_gloo``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from ._liveness import HOSTS_LOST, alive, machine, process_id
 from ._membership import shrink_begun
 from ._rendezvous import Seat
 
-__all__ = ["FormingFailed", "WatchedStore", "connecting", "init_gloo", "init_nccl", "native_store", "publish_pid"]
+__all__ = ["FormingFailed", "WatchedStore", "connecting", "forming_watched", "init_gloo", "native_store",
+           "publish_pid"]
 
 _c10d: Any = torch._C._distributed_c10d
 
@@ -109,7 +110,8 @@ class WatchedStore(_c10d.Store):  # type: ignore[misc]
             pause = min(pause * 2, 0.05)
 
     def wait_for_members(self) -> None:
-        """Wait, watched, until every member has made its group, and so written its address there."""
+        """Wait, watched, until every member has made its group (after ``init_process_group``: and
+        so written its address there)."""
         if self.inner.add("formed", 1) == len(self.seat.members):
             self.inner.set("formed/all", b"1")
         self.wait(["formed/all"])
@@ -156,7 +158,7 @@ def native_store(store: Any) -> Any:
 
 
 _LAZY = "TORCH_GLOO_LAZY_INIT"
-_LAZY_LOCK = threading.RLock()  # (re-entered by a group made while another is)
+_LAZY_LOCK = threading.Lock()
 
 
 def init_gloo(store: WatchedStore, rank: int, world: int, timeout: datetime.timedelta, *, lazily: bool) -> None:
@@ -167,46 +169,58 @@ def init_gloo(store: WatchedStore, rank: int, world: int, timeout: datetime.time
     interpreter ends aborts the process ("terminate called without an active exception"), after
     all its work: so such a group is handed the membership's own (native) store, and its members
     then wait, watched, until every address is written (no native wait is left waiting on a
-    member that died first)."""
+    member that died first). Afterwards torch's record of the default store, where the groups made
+    later form, is the native store too (a user's group may connect lazily), but for distcomm's
+    own (see ``forming_watched``)."""
     with connecting(lazily=lazily):
         dist.init_process_group("gloo", store=store.inner if lazily else store, rank=rank, world_size=world,
                                 timeout=timeout)
     if lazily:
         store.wait_for_members()
-        _later_groups_form_in(store)
-
-
-def init_nccl(store: WatchedStore, rank: int, world: int, timeout: datetime.timedelta, device: torch.device) -> None:
-    """torch's default group on NCCL, formed in the membership's own (native) store: NCCL's monitor
-    thread asks the group's store once a second while the group is idle (has another rank asked for
-    a dump?), which through a Python store would be ``init_gloo``'s hazard, for the life of the group.
-    The members first wait, watched, until every one is there, since NCCL's set-up then waits
-    natively for rank 0's id."""
-    store.wait_for_members()
-    dist.init_process_group("nccl", store=store.inner, rank=rank, world_size=world, timeout=timeout, device_id=device)
-    _later_groups_form_in(store)
-
-
-def _later_groups_form_in(store: WatchedStore) -> None:
-    """Point torch's record of the default group's store (where the groups made later form, on the
-    caller's thread) at the watched one: the same keys."""
     c10d = dist.distributed_c10d
     group = c10d._get_default_group()
     backend, _ = c10d._world.pg_map[group]
-    c10d._world.pg_map[group] = (backend, _c10d.PrefixStore(f"{group.group_name}/", store))
+    native = _c10d.PrefixStore(f"{group.group_name}/", store.inner)  # (the keys torch gives its groups)
+    c10d._world.pg_map[group] = (backend, native)
+    _WATCHED[:] = [(native, _c10d.PrefixStore(f"{group.group_name}/", store))]
+
+
+_WATCHED: list[tuple[Any, Any]] = []
+"""The record ``init_gloo`` gave torch for the default group it made, and its watched twin."""
+
+
+@contextlib.contextmanager
+def forming_watched() -> Iterator[None]:
+    """Groups made inside form in the watched store where distcomm made the default group (they
+    connect at once, on the caller's thread: see ``connecting``); elsewhere, as torch would."""
+    c10d: Any = dist.distributed_c10d
+    group = c10d._get_default_group() if c10d.is_initialized() else None
+    record = c10d._world.pg_map[group] if group is not None else (None, None)
+    watched = next((w for native, w in _WATCHED if native is record[1]), None)  # (only the record it set)
+    if watched is None:
+        yield
+        return
+    c10d._world.pg_map[group] = (record[0], watched)
+    try:
+        yield
+    finally:
+        c10d._world.pg_map[group] = record
 
 
 @contextlib.contextmanager
 def connecting(*, lazily: bool) -> Iterator[None]:
     """Gloo groups made inside connect each pair of ranks on its first use (``lazily``) or all at
-    once (torch's ``TORCH_GLOO_LAZY_INIT``, read when a group is made; set either way, so that a
-    user's setting can't make a group whose transport threads call the Python store). Gloo retries
-    a connection to a process that is gone for five times the group's timeout, in C++ where nothing
+    once (torch's ``TORCH_GLOO_LAZY_INIT``, read when a group is made; set to "0" where a user set
+    it, so that none of distcomm's groups in a watched store connects lazily). Gloo retries a
+    connection to a process that is gone for five times the group's timeout, in C++ where nothing
     can cut it short; a shrink's or an admit's default group, where members die most, makes its
     connections inside its first calls instead, whose waits watch the peers and give up on a dead
     one at once. The variable is the process's: another thread making a gloo group meanwhile
     connects the same way."""
     value = "1" if lazily else "0"
+    if not lazily and os.environ.get(_LAZY, "0") in ("", "0"):  # (torch's default: nothing to set)
+        yield
+        return
     with _LAZY_LOCK:
         before = os.environ.get(_LAZY)
         os.environ[_LAZY] = value

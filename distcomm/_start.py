@@ -25,7 +25,7 @@ from ._communicator import DEFAULT_TIMEOUT
 from ._defaults import set_default
 from ._errors import CommunicatorStateError, PeerError
 from ._failure_report import store_host_pid
-from ._forming import FormingFailed, WatchedStore, init_gloo, init_nccl, publish_pid
+from ._forming import FormingFailed, WatchedStore, init_gloo, publish_pid
 from ._keepalive import keep_alive
 from ._launchers import LaunchEnv
 from ._membership import reformed, shrink_begun, successor
@@ -166,7 +166,7 @@ def _form(cls: type[_TorchCommunicator], seat: Seat, store: WatchedStore, second
         if cls.backend == "nccl":
             device = kwargs["device"]
             torch.cuda.set_device(device)
-            init_nccl(store, rank, world, td, device)
+            dist.init_process_group("nccl", store=store, rank=rank, world_size=world, timeout=td, device_id=device)
         else:
             init_gloo(store, rank, world, td, lazily=not seat.epoch.startswith("round-"))
         pids = store.known_pids(refresh=True)

@@ -28,7 +28,7 @@ from ._errors import (
     CommunicatorStateError,
 )
 from ._failure_report import fail
-from ._forming import connecting, native_store
+from ._forming import connecting, forming_watched, native_store
 from ._gathered_reduce import gathered_reduce, gathered_traffic, takes_gathered
 from ._handles import Queues
 from ._header_exchange import (
@@ -269,7 +269,7 @@ class _TorchCommunicator(Communicator):
         return None
 
     def _new_group(self, ranks: list[int], backend: str | None) -> Any:
-        with connecting(lazily=False):  # (its transport threads never ask the Python store: see init_gloo)
+        with forming_watched(), connecting(lazily=False):  # (gloo's threads never ask a Python store: init_gloo)
             g = dist.new_group(
                 [self._ranks[r] for r in ranks], backend=backend, timeout=_td(self._timeout),
                 use_local_synchronization=not self._is_world,

@@ -537,14 +537,15 @@ def test_a_rank_left_waiting_in_an_old_group_exits_cleanly(tmp_path: Path) -> No
 ASKED_FROM_TRANSPORT = """
     import json, sys, threading
     import torch
+    import torch.distributed as dist
     import distcomm
     from distcomm import _forming
 
-    asked = []  # the store calls made on threads Python didn't start: gloo's own
+    asked = []  # the watched store's calls: on a thread of gloo's own, or on Python's
     for name in ("get", "wait", "check", "set", "add"):
         def spy(self, *args, _call=getattr(_forming.WatchedStore, name), _name=name):
-            if isinstance(threading.current_thread(), threading._DummyThread):
-                asked.append(_name)
+            gloo = isinstance(threading.current_thread(), threading._DummyThread)
+            asked.append(("gloo" if gloo else "python", _name))
             return _call(self, *args)
         setattr(_forming.WatchedStore, name, spy)
 
@@ -557,8 +558,17 @@ ASKED_FROM_TRANSPORT = """
     comm.all_reduce(t)
     comm.broadcast_tensor(t, src=n - 1)
     assert t.tolist() == [float(n)] * 4
+    before = len(asked)
+    assert comm.split(0).all_gather(r) == list(range(n))  # distcomm's own group: formed watched
+    split = asked[before:]
+    before = len(asked)
+    group = dist.new_group(list(range(n)))  # the user's own (lazy where TORCH_GLOO_LAZY_INIT says): torch's way
+    t = torch.ones(2)
+    dist.all_reduce(t, group=group)
+    user = asked[before:]
     comm.close()
-    print(json.dumps({"asked": asked}), flush=True)
+    print(json.dumps({"from_gloo": [c for k, c in asked if k == "gloo"], "split_watched": ("python", "wait") in split,
+                      "user": user}), flush=True)
 """
 
 
@@ -568,12 +578,13 @@ def test_a_lazily_connected_group_never_asks_the_python_store_from_its_transport
     """After a shrink (or in any group, with the user's TORCH_GLOO_LAZY_INIT), a group connects each
     pair at its first call, asking the store for the peer's address on gloo's own threads. Asking a
     Python store there aborted a process that ended while one of them did ("terminate called without
-    an active exception")."""
+    an active exception"). distcomm's own later groups still form in the watched store; a group the
+    user makes with torch forms in the native one."""
     if how != "shrink":
         monkeypatch.setenv(*how.split("="))
     _, procs = _job(tmp_path, ASKED_FROM_TRANSPORT, 3, how)
     for r, (code, lines, err) in _ended(procs).items():
-        assert code == 0 and lines == [{"asked": []}], (r, code, lines, err)
+        assert code == 0 and lines == [{"from_gloo": [], "split_watched": True, "user": []}], (r, code, lines, err)
 
 # ---------------------------------------------------------------- launch(..., elastic=True)
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "elastic_train.py"
