@@ -44,7 +44,7 @@ from ._memory import as_view, byte_tensor
 from ._routes.base import check_receivable
 from ._serialization import failure_text
 from ._tensor_pickle import CUDA_TARGET
-from ._waits import watch
+from ._waits import wait_watched
 
 if TYPE_CHECKING:
     from ._communicator import Communicator
@@ -281,17 +281,8 @@ def _await(comm: _TorchCommunicator, works: list[Any], peer: int, timeout: float
     members that left to shrink)."""
     if not works:
         return
-    td = None if timeout is None else datetime.timedelta(seconds=timeout)
-
-    def whole() -> None:
-        for w in works:
-            if td is None:
-                w.wait()
-            else:
-                w.wait(td)
-
     try:
-        watch(comm, whole, timeout, lambda: [peer], what)
+        wait_watched(comm, works, timeout, [peer] * len(works), what)
     except DistCommError:
         raise
     except Exception as e:

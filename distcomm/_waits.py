@@ -6,6 +6,7 @@ threads for point-to-point transfers. A wait that fails ends in the failure repo
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import functools
 import os
@@ -24,7 +25,7 @@ from ._liveness import HOSTS_LOST, LOSS_SECONDS, alive
 if TYPE_CHECKING:
     from ._torch import _TorchCommunicator
 
-__all__ = ["SLICE", "WAITERS", "check_peers", "interrupted", "timedelta_of", "wait", "wait_whole", "watch"]
+__all__ = ["SLICE", "WAITERS", "check_peers", "interrupted", "timedelta_of", "wait", "wait_watched", "wait_whole"]
 
 
 @functools.lru_cache(maxsize=16)
@@ -38,17 +39,19 @@ class _Waiters:
     kept between calls (starting a thread costs more than handing it a job); one that is stuck on a
     wait that never ends (its communicator is broken then) is simply not reused.
 
-    A stuck one is waited for at exit (``settle``): its wait ends when the peer it waits on exits,
+    A stuck one is ended at exit (``settle``): its wait would end when the peer it waits on exits,
     and ending inside the interpreter's finalization, the thread would abort the process
-    ("terminate called without an active exception") after all its work is done."""
+    ("terminate called without an active exception") after all its work is done. Two ranks whose
+    stuck waits wait on each other would each wait for the other's exit."""
 
     def __init__(self) -> None:
         self._idle: list[queue.SimpleQueue[Any]] = []
-        self._busy: set[threading.Event] = set()
+        self._busy: dict[threading.Event, list[Any]] = {}  # a job's end -> the works it waits on
         self._failing = False
         self._lock = threading.Lock()
 
-    def run(self, fn: Callable[[], None]) -> tuple[threading.Event, list[BaseException]]:
+    def run(self, fn: Callable[[], None], works: list[Any]) -> tuple[threading.Event, list[BaseException]]:
+        """Run ``fn``, a wait on point-to-point ``works``, in a waiter thread."""
         done, failed = threading.Event(), list[BaseException]()
         with self._lock:
             jobs = self._idle.pop() if self._idle else None
@@ -56,13 +59,13 @@ class _Waiters:
             jobs = queue.SimpleQueue()
             threading.Thread(target=self._serve, args=(jobs,), name="distcomm-wait", daemon=True).start()
         with self._lock:
-            self._busy.add(done)
+            self._busy[done] = works
         jobs.put((fn, done, failed))
         return done, failed
 
     def forget(self) -> None:
         self._idle = []
-        self._busy = set()
+        self._busy = {}
         self._failing = False
         self._lock = threading.Lock()
 
@@ -72,15 +75,22 @@ class _Waiters:
         self._failing = True
 
     def settle(self, seconds: float) -> None:
-        """Wait up to ``seconds`` for the waits still running (at exit: see the class); not when
-        the program dies of an error or Ctrl-C (it fails either way, and is let go at once)."""
+        """At exit, end the waits still running (see the class) within ``seconds``: those that
+        don't end within a moment are broken, as a point-to-point wait that times out breaks its
+        group's connections (the peers' waits on this process end too). Not when the program dies
+        of an error or Ctrl-C (it fails either way, and is let go at once)."""
         if self._failing or getattr(sys, "last_value", None) is not None:
             return
-        deadline = time.monotonic() + seconds
+        start = time.monotonic()
         with self._lock:
-            busy = list(self._busy)
+            busy = dict(self._busy)
         for done in busy:
-            done.wait(max(deadline - time.monotonic(), 0.0))
+            done.wait(max(start + SETTLE_GRACE - time.monotonic(), 0.0))
+        for done, works in busy.items():
+            if not done.is_set():
+                _break(works)
+        for done in busy:
+            done.wait(max(start + seconds - time.monotonic(), 0.0))
 
     def _serve(self, jobs: queue.SimpleQueue[Any]) -> None:
         while True:
@@ -91,8 +101,16 @@ class _Waiters:
                 failed.append(e)
             done.set()
             with self._lock:
-                self._busy.discard(done)
+                self._busy.pop(done, None)
                 self._idle.append(jobs)
+
+
+def _break(works: list[Any]) -> None:
+    """End every wait on ``works``' group: a wait on one of them that times out at once closes the
+    group's connections (gloo's point-to-point waits do), and the waits on them fail."""
+    for w in works:
+        with contextlib.suppress(Exception):
+            w.wait(timedelta_of(0.001))
 
 
 WAITERS = _Waiters()
@@ -100,7 +118,8 @@ if hasattr(os, "register_at_fork"):  # a forked child has none of the parent's t
     os.register_at_fork(after_in_child=WAITERS.forget)
 SETTLE_AT_EXIT = 5.0
 """The longest exit waits for waits left running (registered first, so it runs after every
-communicator is closed at exit)."""
+communicator is closed at exit); after ``SETTLE_GRACE`` they are broken."""
+SETTLE_GRACE = 0.2
 atexit.register(WAITERS.settle, SETTLE_AT_EXIT)
 
 
@@ -173,18 +192,18 @@ def wait_sliced(comm: _TorchCommunicator, works: list[Any], timeout: float | Non
             check_peers(comm, comm._peer_pids, seen)
 
 
-def wait_watched(comm: _TorchCommunicator, works: list[Any], timeout: float | None, peers: list[int]) -> None:
+def wait_watched(comm: _TorchCommunicator, works: list[Any], timeout: float | None, peers: list[int],
+                 what: str = "") -> None:
+    """Wait for point-to-point ``works`` in a waiter thread while this one watches: Ctrl-C, the
+    processes of the peers still needed (``peers[i]``: the peer of ``works[i]``), and a helper
+    that never finishes (bounded by the timeout). ``what``: the call, as errors name it (the
+    current collective's by default)."""
     progress = [0]  # the work the helper waits on now: the ones before it are done
-    watch(comm, lambda: wait_whole(works, timeout, progress), timeout,
-                lambda: dict.fromkeys(peers[progress[0]:]))
 
+    def needed() -> Iterable[int]:
+        return dict.fromkeys(peers[progress[0]:])
 
-def watch(comm: _TorchCommunicator, fn: Callable[[], None], timeout: float | None,
-          needed: Callable[[], Iterable[int]], what: str = "") -> None:
-    """Run ``fn`` in a waiter thread while this one watches: Ctrl-C, the processes of the peers
-    ``needed()`` names, and a helper that never finishes (bounded by the timeout). ``what``: the
-    call, as errors name it (the current collective's by default)."""
-    done, failed = WAITERS.run(fn)
+    done, failed = WAITERS.run(lambda: wait_whole(works, timeout, progress), works)
     start, seen = time.monotonic(), dict[int, float]()
     while not done.wait(SLICE):
         check_peers(comm, needed(), seen, what)

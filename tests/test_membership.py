@@ -534,6 +534,44 @@ def test_a_rank_left_waiting_in_an_old_group_exits_cleanly(tmp_path: Path) -> No
 
 
 
+
+LEFT_WAITING_ON_EACH_OTHER = """
+    import json, time
+    import distcomm
+
+    class SlowToFree:  # the interpreter's finalization, drawn out: a wait that ends inside it aborts
+        def __del__(self):
+            time.sleep(2.0)
+
+    comm = distcomm.from_env(timeout=60)
+    if comm.rank < 2:
+        try:
+            comm.recv(src=1 - comm.rank)  # neither sends: each waits on the other until rank 2 shrinks
+        except distcomm.PeerError:
+            pass
+    else:
+        time.sleep(0.5)
+    comm = comm.shrink()  # no one lost
+    members = list(comm.membership.job_ranks)
+    comm.synchronize()
+    comm.close()
+    print(json.dumps({"members": members}), flush=True)
+    if comm.rank < 2:
+        slow = SlowToFree()
+"""
+
+
+def test_two_ranks_left_waiting_on_each_other_in_an_old_group_exit_cleanly(tmp_path: Path) -> None:
+    """Ranks 0 and 1 each still wait, in a waiter thread, for the other's message in the first group
+    when the program ends: each wait would end only when the other process exits, so one of them
+    exited first and the other's wait ended inside its finalization (an abort). Exit breaks them."""
+    port = distcomm.free_port()
+    store = serve_store(f"tcp://127.0.0.1:{port}", 3, WAIT)
+    _, procs = _job(tmp_path, LEFT_WAITING_ON_EACH_OTHER, 3, port=port, store_apart=True)
+    for r, (code, lines, err) in _ended(procs).items():
+        assert code == 0 and lines == [{"members": [0, 1, 2]}], (r, code, err)
+    del store
+
 ASKED_FROM_TRANSPORT = """
     import json, sys, threading
     import torch
