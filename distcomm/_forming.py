@@ -58,8 +58,9 @@ def publish_pid(seat: Seat) -> None:
 class WatchedStore(_c10d.Store):  # type: ignore[misc]
     """The store a membership's group forms in (and its later groups too): the membership's own
     keys, whose waits end as soon as the membership breaks. torch calls it from C++, on the thread
-    that makes a group (never on a transport thread: see ``init_gloo``); the ones made are kept for
-    the life of the process (``_KEPT``), since torch's groups hold them as long as they live."""
+    that makes a group (never on a gloo transport thread: see ``init_gloo``; NCCL's own threads
+    still do, see docs/architecture.md); the ones made are kept for the life of the process
+    (``_KEPT``), since torch's groups hold them as long as they live."""
 
     def __init__(self, seat: Seat, pids: dict[int, int]) -> None:
         super().__init__()
