@@ -26,6 +26,8 @@ import tempfile
 import textwrap
 from pathlib import Path
 
+from _report import publish  # (run as a script: benchmarks/ is on the path)
+
 import distcomm
 from distcomm._rendezvous import serve_store
 
@@ -119,10 +121,7 @@ def main() -> None:
         rows.append(f"| {world} | {shrink:.2f} s | {restart:.2f} s | {restart / shrink:.1f}x |")
         print(rows[-1], flush=True)
     table = "\n".join(rows)
-    print(table)
-    out = Path(__file__).parent / "out"
-    out.mkdir(exist_ok=True)
-    (out / "recovery.md").write_text(table + "\n")
+    publish(table, "recovery")
 
 
 if __name__ == "__main__":

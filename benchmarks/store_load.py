@@ -31,6 +31,8 @@ import textwrap
 import time
 from pathlib import Path
 
+from _report import publish  # (run as a script: benchmarks/ is on the path)
+
 import distcomm
 
 BEAT, LOOK = 0.5, 0.05
@@ -145,10 +147,7 @@ def main() -> None:
         server.wait(10)
     table = "\n".join(["| world | ranks are | calls/s asked | calls/s served | one call, p50 (ms) | p99 (ms) |",
                        "|---|---|---|---|---|---|", *rows])
-    print(table)
-    out = Path(__file__).parent / "out"
-    out.mkdir(exist_ok=True)
-    (out / "store_load.md").write_text(table + "\n")
+    publish(table, "store_load")
 
 
 if __name__ == "__main__":
