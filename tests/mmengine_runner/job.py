@@ -5,6 +5,7 @@ tests/test_mmengine_runner.py. Usage: job.py mmengine|distcomm WORK_DIR (under t
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.nn as nn
@@ -71,6 +72,12 @@ def main(mode, workdir):
     if tdist.get_rank() == 0:
         with open(os.path.join(workdir, "result.json"), "w") as f:
             json.dump({"val": metrics}, f)
+    if mode == "mmengine":
+        # torch's own job aborts at exit in about a quarter of runs without this ("terminate called without an
+        # active exception"): a gloo worker thread frees the last broadcast's tensors after the caller's wait has
+        # returned, needs the GIL for that, and is ended inside a noexcept frame if the interpreter is finalizing
+        # by then. Sleeping lets it take the GIL first. (distcomm closes its groups at exit: see _start.py.)
+        time.sleep(0.5)
 
 
 if __name__ == "__main__":
