@@ -76,7 +76,7 @@ def main(mode, workdir):
         # torch's own job aborts at exit in about a quarter of runs without this ("terminate called without an
         # active exception"): a gloo worker thread frees the last broadcast's tensors after the caller's wait has
         # returned, needs the GIL for that, and is ended inside a noexcept frame if the interpreter is finalizing
-        # by then. Sleeping lets it take the GIL first. (distcomm closes its groups at exit: see _start.py.)
+        # by then. Sleeping lets it take the GIL first, as distcomm's close does (_torch.py, _shutdown).
         time.sleep(0.5)
 
 
