@@ -297,20 +297,13 @@ def test_survivors_name_a_dead_rank_0() -> None:
         assert survivor[3] < 30, survivor  # not the 600 s timeout
 
 
-def dies_in_a_large_world(comm: distcomm.Communicator) -> Any:
-    comm.all_gather(0)
-    if comm.rank == 3:
-        os._exit(3)
-    return outcome(lambda: comm.all_gather(np.zeros(10), timeout=60))
-
-
 @pytest.mark.slow
 def test_ranks_whose_own_connections_saw_no_loss_learn_it_from_the_store() -> None:
     """Beyond 4 ranks most survivors wait on a peer that is alive (the one that saw the loss, now
     reporting it), so their transport says nothing. The rank that saw it writes so in the job's
     store, and the others read it at their next one-second look: a PeerError naming rank 3, not the
     liveness check's (5 s after the death) nor the timeout's."""
-    out = spawn(dies_in_a_large_world, 6, timeout=120, return_exceptions=True, reuse=False)
+    out = spawn(functools.partial(dies, victim=3), 6, timeout=120, return_exceptions=True, reuse=False)
     assert isinstance(out[3], RankFailedError) and "exited with code 3" in str(out[3])
     survivors = out[:3] + out[4:]
     for survivor in survivors:
