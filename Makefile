@@ -80,7 +80,7 @@ bench-wire: $(STAMP)  ## bytes on the wire per rank, one network namespace per r
 bench-recovery: $(STAMP)  ## time from a killed rank to the survivors' next collective: shrink vs a torchrun restart, 4 and 8 ranks
 	$(BIN)/python benchmarks/recovery.py
 
-bench-store: $(STAMP)  ## the job's store under 64-1,024 simulated ranks' keep-alives and agreement: calls/s and one call's latency
+bench-store: $(STAMP)  ## the job's store under 64-1,024 simulated ranks: connecting at once, then keep-alives and agreement: calls/s and one call's latency
 	$(BIN)/python benchmarks/store_load.py
 
 bench-simulate: $(STAMP)  ## Python per rank per call against world size, up to 1,024 simulated ranks

@@ -12,6 +12,8 @@ processes, asking what a rank of a job's communicator asks:
   (left out: its look at the leader's beat, two calls a second; and the leader's own looks, one
   per member every 0.2 s, from one client).
 Meanwhile this process times one call (a ``check``) at a time: the latency any rank's call meets.
+Before that, "connecting" is how long the slowest process's ranks took to connect, all at once, as
+a job's ranks do at start-up.
 Prints a markdown table (and writes benchmarks/out/store_load.md). On a machine with few cores the
 simulated ranks' own Python competes with the store for CPU: the figures are an upper bound on the
 latency of a store on a machine of its own, and "served" below "asked" means the clients, not
@@ -76,10 +78,11 @@ RANKS = textwrap.dedent("""
         calls[i] = n
 
     threads = [threading.Thread(target=rank, args=(i,), daemon=True) for i in range(count)]
+    start = time.monotonic()
     for t in threads:
         t.start()
     connected.wait()
-    print("ready", flush=True)
+    print("ready", time.monotonic() - start, flush=True)
     sys.stdin.readline()  # every process's ranks connected (connecting slows the store down): go
     go.set()
     for t in threads:
@@ -98,8 +101,12 @@ def run(port: int, world: int, seconds: float, agreeing: bool, tmp: Path) -> dic
              for f, n in zip(firsts, per, strict=True) if n]  # (their errors go to this process's stderr)
     probe = distcomm._rendezvous._c10d().TCPStore("127.0.0.1", port, is_master=False,
                                                  timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    connecting = 0.0
     for p in procs:  # every rank connected: they start together
-        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        assert p.stdout is not None
+        said, took = p.stdout.readline().split()
+        assert said == "ready", said
+        connecting = max(connecting, float(took))
     for p in procs:
         assert p.stdin is not None
         p.stdin.write("go\n")
@@ -121,7 +128,7 @@ def run(port: int, world: int, seconds: float, agreeing: bool, tmp: Path) -> dic
     asked = world * (3 / BEAT + (1 / LOOK if agreeing else 0))
     latencies.sort()
     return {"asked": asked, "served": served / seconds, "p50": statistics.median(latencies) * 1e3,
-            "p99": latencies[int(len(latencies) * 0.99)] * 1e3}
+            "p99": latencies[int(len(latencies) * 0.99)] * 1e3, "connecting": connecting}
 
 
 def main() -> None:
@@ -139,14 +146,14 @@ def main() -> None:
             for world in args.world:
                 for agreeing in (False, True):
                     r = run(port, world, args.seconds, agreeing, Path(d))
-                    rows.append(f"| {world} | {'agreeing' if agreeing else 'beating'} | {r['asked']:,.0f} | "
-                                f"{r['served']:,.0f} | {r['p50']:.2f} | {r['p99']:.2f} |")
+                    rows.append(f"| {world} | {r['connecting']:.1f} | {'agreeing' if agreeing else 'beating'} | "
+                                f"{r['asked']:,.0f} | {r['served']:,.0f} | {r['p50']:.2f} | {r['p99']:.2f} |")
                     print(rows[-1], flush=True)
     finally:
         server.terminate()
         server.wait(10)
-    table = "\n".join(["| world | ranks are | calls/s asked | calls/s served | one call, p50 (ms) | p99 (ms) |",
-                       "|---|---|---|---|---|---|", *rows])
+    table = "\n".join(["| world | connecting (s) | ranks are | calls/s asked | calls/s served | one call, p50 (ms) "
+                       "| p99 (ms) |", "|---|---|---|---|---|---|---|", *rows])
     publish(table, "store_load")
 
 
