@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import datetime
 import functools
 import os
@@ -24,6 +23,7 @@ import torch.distributed as dist
 
 from ._communicator import DEFAULT_TIMEOUT
 from ._defaults import set_default
+from ._deferred_free import DEFERRED
 from ._errors import CommunicatorStateError, PeerError
 from ._failure_report import store_host_pid
 from ._forming import FormingFailed, WatchedStore, init_gloo, publish_pid
@@ -128,7 +128,7 @@ def start_seat(cls: type[_TorchCommunicator], seat: Seat, *, timeout: float | da
             try:
                 return _form(cls, seat, store, seconds, lost, timeout=timeout, **kwargs)
             except BaseException as e:
-                _FAILED_TRIES.append(e)  # (see _FAILED_TRIES)
+                DEFERRED.hold(e, seconds)  # (its half-built groups: see _deferred_free)
                 failure = _broken(store, e)
                 if failure is None:
                     raise
@@ -145,15 +145,6 @@ def start_seat(cls: type[_TorchCommunicator], seat: Seat, *, timeout: float | da
     except BaseException:
         keep_alive.stop()  # no beat for a process that joins no membership
         raise
-
-
-_FAILED_TRIES: list[Any] = []
-"""The errors of tries at a group that failed, kept for the life of the process with all they hold
-(the try's frames, its half-built communicator and groups). Freeing a gloo group joins its worker
-threads, and one of those may still wait on a peer that is gone (for a lazily made connection, up to
-the group's timeout): freed, the try would hold its caller that long. Not even at exit (the
-interpreter's teardown would free them)."""
-ctypes.pythonapi.Py_IncRef(ctypes.py_object(_FAILED_TRIES))
 
 
 def _form(cls: type[_TorchCommunicator], seat: Seat, store: WatchedStore, seconds: float,
@@ -184,7 +175,7 @@ def _form(cls: type[_TorchCommunicator], seat: Seat, store: WatchedStore, second
     except BaseException:
         keep_alive.unwatch()  # this process beats on while it agrees on the next (start_seat stops it if not)
         if dist.is_initialized():  # (the communicator's own set-up destroys it when that fails)
-            _FAILED_TRIES.append(dist.distributed_c10d._get_default_group())  # (see _FAILED_TRIES)
+            DEFERRED.hold(dist.distributed_c10d._get_default_group(), seconds)  # (see _deferred_free)
             dist.destroy_process_group()
         # torch counts every group it starts to make: the next try's must have the name the others give it
         dist.distributed_c10d._world.group_count = 0

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import os
 import secrets
@@ -23,6 +22,7 @@ from ._agreement import check_settings, spans
 from ._calls import CallSpec, Op
 from ._communicator import DEFAULT_SLOT_BYTES, Communicator
 from ._defaults import clear_default
+from ._deferred_free import DEFERRED
 from ._errors import (
     CollectiveError,
     CommunicatorStateError,
@@ -266,15 +266,13 @@ class _TorchCommunicator(Communicator):
     def _abandon(self) -> None:
         """Close over a failure: nothing waits for peers that may be gone (eager sends, pending calls).
 
-        Its groups and their pending work are kept for the life of the process, broken or not:
-        freeing a gloo group joins its worker threads, and one may still wait on a dead peer (a
-        lazy connection to it, for the group's timeout) even after ``_break_waits``: a shrink that
-        freed them hung there (the kill campaign, seed 1003 at 4 ranks); and tearing one down at
-        exit under such a thread aborts the process ("terminate called without an active exception")."""
+        Its groups and their pending work are held for the group's timeout (``_deferred_free``),
+        broken or not: a transport thread of theirs may still wait on a lost peer until then."""
+        DEFERRED.free_due()
         with self._eager_lock:
             held = [self._eager, self._held_groups(), self._queues]
             self._eager = []
-        ctypes.pythonapi.Py_IncRef(ctypes.py_object(held))  # never freed, even at interpreter exit
+        DEFERRED.hold(held, self._timeout)
         self._queues = Queues()
         self._children.clear()  # their groups go with the default group
         self._retire_subs("shrink")
@@ -409,6 +407,7 @@ class _TorchCommunicator(Communicator):
         # that needs the GIL. Release the GIL for a moment so that it can, now: at interpreter exit
         # it would abort the process ("terminate called without an active exception").
         time.sleep(_SETTLE_SECONDS)
+        DEFERRED.free_due()  # (a safe point: the groups of memberships broken long enough ago)
         if self._eager:
             settle_eager(self, settle_limit(self, self._ending_on_error))
         reused = []

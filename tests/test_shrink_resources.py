@@ -1,0 +1,57 @@
+"""What a shrink keeps: the groups of a broken membership (their transport threads, connections)
+are held for the group's timeout, then let go at the next safe point, so that a job that shrinks
+again and again holds no more than the memberships of one timeout. Real gloo processes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ._jobs import ended, job
+
+SHRINKING = """
+    import json, os, signal, sys, time
+    import torch
+    import distcomm
+    from distcomm._deferred_free import DEFERRED
+
+    TIMEOUT = 2.0
+    def counts():
+        return len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))
+
+    comm = distcomm.from_env(timeout=TIMEOUT)
+    comm = comm.shrink()  # no one lost: the next membership's groups connect lazily
+    start = counts()
+    try:
+        for step in range(10_000):  # rank 3 dies inside torch's own collective on the group
+            if step == 3 and comm.rank == 3:
+                os.kill(os.getpid(), signal.SIGKILL)
+            torch.distributed.all_reduce(torch.ones(4), group=comm.group)
+            comm.synchronize()
+    except Exception as e:
+        assert distcomm.is_rank_loss(e), repr(e)
+    comm = comm.shrink()
+    for _ in range(4):  # memberships broken within one timeout: each one's groups are held
+        comm.all_reduce(torch.ones(4))
+        comm = comm.shrink()
+    held = counts()
+    time.sleep(TIMEOUT + 2.5)  # (past _deferred_free's margin too)
+    comm.all_reduce(torch.ones(4))
+    comm = comm.shrink()  # lets go of every membership broken more than a timeout ago
+    print(json.dumps({"start": start, "held": held, "after": counts(), "kept": len(DEFERRED),
+                      "members": comm.membership.job_ranks}), flush=True)
+    comm.close()
+"""
+
+
+def test_a_job_that_shrinks_again_and_again_holds_only_one_timeouts_memberships(tmp_path: Path) -> None:
+    _, procs = job(tmp_path, SHRINKING, 4)
+    out = ended(procs)
+    assert out[3][0] != 0  # the rank that was killed
+    for r in (0, 1, 2):
+        code, lines, err = out[r]
+        assert code == 0, (r, err)
+        got = lines[-1]
+        assert got["members"] == [0, 1, 2] and got["kept"] == 1, got  # the last shrink's old membership only
+        (fds0, threads0), (fds_held, threads_held), (fds, threads) = got["start"], got["held"], got["after"]
+        assert fds_held > fds0 + 8 and threads_held > threads0 + 8, got  # (what the test would miss)
+        assert fds <= fds0 + 6 and threads <= threads0 + 4, got  # one membership's worth, not six
