@@ -77,8 +77,9 @@ bench-tensors: $(STAMP)  ## tensor all_reduce and all_gather_tensor against torc
 bench-wire: $(STAMP)  ## bytes on the wire per rank, one network namespace per rank (needs root)
 	$(BIN)/python benchmarks/wire.py --world 8 16
 
-bench-recovery: $(STAMP)  ## a killed rank to the survivors' next collective, and to a DDP job's next step (and a replacement's stall): shrink vs a torchrun restart, 4 and 8 ranks
+bench-recovery: $(STAMP)  ## a killed rank to the survivors' next collective, and to a DDP job's next step (and a replacement's stall): shrink vs torchft and a torchrun restart, 4 and 8 ranks
 	$(BIN)/python benchmarks/recovery.py
+	$(BIN)/python -m pip install -q --no-deps --target benchmarks/.deps torchft-nightly==2026.10.26
 	$(BIN)/python benchmarks/recovery_ddp.py
 
 bench-store: $(STAMP)  ## the job's store under 64-1,024 simulated ranks: connecting at once, then keep-alives and agreement: calls/s and one call's latency

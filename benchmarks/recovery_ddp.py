@@ -9,6 +9,9 @@ every ~50 ms; at step 20 one rank kills itself (SIGKILL), writing the time just 
   rebuild DDP and go on; the lost rank is started again and let in by the members' ``admit()``.
 - restart: the same job under ``torchrun --max-restarts 1``: the agent ends every worker and starts
   them all again; each loads the last checkpoint (written every step by rank 0) and goes on.
+- torchft: the same model, data and Adam under torchft's DDP and lighthouse (``_torchft_job``),
+  where it is installed (``make bench-recovery`` installs it in benchmarks/.deps).
+- built first: the distcomm job again, its model and optimizer built before ``from_env()``.
 Figures (medians over the repetitions): the time from the kill to the last survivor's next
 completed step, and the stall on the step a replacement joins (that step's time, from the admit
 that lets it in to the step's end, less the median step before the kill), worst over the members.
@@ -29,7 +32,8 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from _report import publish  # (run as a script: benchmarks/ is on the path)
+import _torchft_job  # (run as a script: benchmarks/ is on the path)
+from _report import publish
 
 import distcomm
 
@@ -111,6 +115,14 @@ def _distcomm(work: Path, world: int) -> tuple[float, float]:
     return _figures(work, _results(out.stdout))
 
 
+def _distcomm_built_first(work: Path, world: int) -> tuple[float, float]:
+    os.environ["BUILD_FIRST"] = "1"  # (read by the job: the model built before from_env())
+    try:
+        return _distcomm(work, world)
+    finally:
+        del os.environ["BUILD_FIRST"]
+
+
 def _restart(work: Path, world: int) -> tuple[float, float]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--max-restarts", "1",
            "--master-addr", "127.0.0.1", "--master-port", str(distcomm.free_port()), str(work / "job.py"),
@@ -130,9 +142,17 @@ def _figures(work: Path, results: list[dict[str, Any]]) -> tuple[float, float]:
     for r in (r for r in members if r["joined"]):  # (none in a restart)
         steps = list(zip(r["done"], r["done"][1:], strict=False))  # each step, from the one before it
         usual = statistics.median(b - a for a, b in steps if b < killed)
-        for joined in r["joined"]:
+        for joined in (j for j in r["joined"] if j > killed):  # (torchft's: its first quorums too)
             stall = max(stall, next(b - a for a, b in steps if a < joined < b) - usual)
     return recovery, stall
+
+
+def _torchft(work: Path, world: int) -> tuple[float, float]:
+    return _figures(work, _torchft_job.run(work, world))
+
+
+def _median(got: dict[str, list[tuple[float, float]]], name: str, which: int) -> str:
+    return f"{statistics.median(r[which] for r in got[name]):.2f} s" if got.get(name) else "-"
 
 
 def main() -> None:
@@ -140,19 +160,23 @@ def main() -> None:
     parser.add_argument("--world", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
-    rows = ["| world | kill to the next DDP step: distcomm (shrink) | torchrun restart from a checkpoint | "
-            "stall on the step a replacement joins: distcomm |", "|---|---|---|---|"]
+    ways = {"distcomm": _distcomm, "built first": _distcomm_built_first, "restart": _restart}
+    if _torchft_job.available():
+        ways["torchft"] = _torchft
+    else:
+        print(f"(torchft is not installed: {_torchft_job.VERSION} goes in benchmarks/.deps)", flush=True)
+    rows = ["| world | kill to the next DDP step: distcomm (shrink) | torchft | torchrun restart from a checkpoint | "
+            "stall on the step a replacement joins: distcomm, model built after `from_env()` | built before | "
+            "torchft |", "|---|---|---|---|---|---|---|"]
     for world in args.world:
-        got: dict[str, list[tuple[float, float]]] = {"distcomm": [], "restart": []}
+        got: dict[str, list[tuple[float, float]]] = {name: [] for name in ways}
         for _ in range(args.reps):
-            for name, run in (("distcomm", _distcomm), ("restart", _restart)):
+            for name, run in ways.items():
                 with tempfile.TemporaryDirectory() as d:
                     (Path(d) / "job.py").write_text(JOB)
                     got[name].append(run(Path(d), world))
-        ours = statistics.median(r for r, _ in got["distcomm"])
-        stall = statistics.median(s for _, s in got["distcomm"])
-        restart = statistics.median(r for r, _ in got["restart"])
-        rows.append(f"| {world} | {ours:.2f} s | {restart:.2f} s | {stall:.2f} s |")
+        cells = [("distcomm", 0), ("torchft", 0), ("restart", 0), ("distcomm", 1), ("built first", 1), ("torchft", 1)]
+        rows.append(f"| {world} | " + " | ".join(_median(got, name, which) for name, which in cells) + " |")
         print(rows[-1], flush=True)
     publish("\n".join(rows), "recovery_ddp")
 

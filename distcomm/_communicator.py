@@ -34,7 +34,7 @@ from ._conveniences import main_process_first, print_main, shard
 from ._errors import CollectiveError, CommunicatorStateError
 from ._groups import dup, regroup_machines, split, sub_settings
 from ._handles import Handle, Queues, refuse_close
-from ._membership import Membership
+from ._membership import Membership, warn_late_first_call
 from ._memory import seconds
 from ._messages import irecv, isend
 from ._one_at_a_time import COLLECTIVES, exclusive, user_site
@@ -136,6 +136,8 @@ class Communicator(TransportHooks):
     """Why it was closed, where the user didn't close it (a shrink or admit of its job's communicator)."""
     _successor: Communicator | None = None
     """The communicator a ``shrink()`` or ``admit()`` of this one made: ``use(comm)`` then follows it."""
+    _let_in_at: float | None = None
+    """When ``from_env()`` returned to a replacement the members let in: until its first call, they wait."""
 
     serializer: Serializer = _fixed("serializer")  # type: ignore[assignment]
     max_bytes: int | None = _fixed("max_bytes")  # type: ignore[assignment]
@@ -342,6 +344,9 @@ class Communicator(TransportHooks):
                 f"{type(self).__name__} can't be used after an earlier transport failure "
                 f"({self._broken}); its ranks no longer agree on what was sent"
             )
+        if self._let_in_at is not None:
+            let_in_at, self._let_in_at = self._let_in_at, None
+            warn_late_first_call(let_in_at)
 
     def _mark_broken(self, why: str) -> None:
         if self._broken is None:  # the first failure is the one worth naming

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -26,10 +27,13 @@ from ._rendezvous import Seat, admitted_key, admitted_seat, pid_key, ranks_in, r
 if TYPE_CHECKING:
     from ._torch import _TorchCommunicator
 
-__all__ = ["Membership", "admission", "job_pids", "reformed", "shrink_begun", "successor", "survivors"]
+__all__ = ["Membership", "admission", "job_pids", "reformed", "shrink_begun", "successor", "survivors",
+           "warn_late_first_call"]
 
 BREAK_SECONDS = 1.0
 """How long a shrink waits for its groups' waits to break before it goes on (and keeps the groups)."""
+LATE_FIRST_CALL_SECONDS = 0.5
+"""A replacement whose first call comes this long after ``from_env()`` let it in is told: the members waited."""
 POLL_SECONDS = 0.05
 LEADER_POLL_SECONDS = 0.2
 
@@ -294,6 +298,17 @@ def successor(seat: Seat) -> tuple[Seat, bool]:
         raise
     except Exception as e:
         raise _store_lost(seat) from e
+
+
+def warn_late_first_call(let_in_at: float) -> None:
+    """At a replacement's first call: warn where it came late. The members let it in when it waited
+    in ``from_env()``, and have waited in their first call with it (the state's hand-over) since."""
+    waited = time.monotonic() - let_in_at
+    if waited > LATE_FIRST_CALL_SECONDS:
+        warnings.warn(f"distcomm: this replacement's first call came {waited:.2f} s after the members let it in, "
+                      f"and every member waited for it that long; build the model and the optimizer before "
+                      f"from_env() (docs/elastic.md#the-whole-state-sync_state-and-check_identical)",
+                      RuntimeWarning, stacklevel=4)
 
 
 def job_pids(comm: _TorchCommunicator) -> dict[int, int]:

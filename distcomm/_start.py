@@ -69,8 +69,11 @@ def start_from(cls: type[_TorchCommunicator], env: LaunchEnv, *,
     if env.node_rank is not None:
         kwargs.setdefault("machine", env.node_rank)
     url = f"tcp://{url_host(env.master_addr)}:{port}"
-    return start_world(cls, url, env.rank, env.world_size, env.local_rank, timeout=timeout, scope=env.job,
+    comm = start_world(cls, url, env.rank, env.world_size, env.local_rank, timeout=timeout, scope=env.job,
                        hosted=not (env.launcher_store or _store_apart()), launcher=env.launcher, **kwargs)
+    if env.rank in comm._admitted:  # a replacement, let in: the members wait for its first call
+        comm._let_in_at = time.monotonic()
+    return comm
 
 
 def _store_apart() -> bool:

@@ -15,6 +15,44 @@ import distcomm
 
 WAIT = 120.0  # the bound on any one job here: a bug fails the test instead of hanging CI
 
+# DDP with Adam over the job's communicator, the docs' loop; the job rank argv[1] names is killed at step 3
+# (its first process), and a replacement is let in by the members' admit().
+ELASTIC_DDP = """
+    import os, signal, sys, time, torch
+    from torch.nn.parallel import DistributedDataParallel
+    import distcomm
+
+    victim = int(sys.argv[1])
+    comm = distcomm.from_env()
+    print(f"started as rank {comm.rank}, admitted {list(comm.membership.admitted)}", flush=True)
+    model, progress, share = torch.nn.Linear(4, 1), {"step": 0}, True
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
+    newcomer = bool(comm.membership.admitted)
+    while progress["step"] < 15:
+        try:
+            if share:
+                comm.sync_state(model, opt, progress)
+                ddp, share = DistributedDataParallel(model, process_group=comm.group), False
+            if comm.membership.job_ranks[comm.rank] == victim and progress["step"] == 3 and not newcomer:
+                os.kill(os.getpid(), signal.SIGKILL)
+            opt.zero_grad()
+            ddp(x[comm.rank::comm.world_size]).pow(2).mean().backward()
+            opt.step()
+            progress["step"] += 1
+            time.sleep(0.2)  # the rest of a step: the replacement starts meanwhile
+            new = comm.admit()
+            if new is not comm:
+                comm, share = new, True
+        except Exception as e:
+            if not distcomm.is_rank_loss(e):
+                raise
+            comm, share = comm.shrink(), True
+    comm.check_identical(model, opt, progress)
+    print(f"done: members {list(comm.membership.job_ranks)}, admitted {list(comm.membership.admitted)}", flush=True)
+    comm.close()
+"""
+
 
 def job(tmp_path: Path, source: str, world: int, *args: str, ranks: list[int] | None = None,
          port: int | None = None, store_apart: bool = False) -> tuple[int, dict[int, subprocess.Popen[str]]]:

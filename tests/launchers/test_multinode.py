@@ -4,6 +4,7 @@ with the variables its launcher would set on that node (torchrun itself, for tor
 from __future__ import annotations
 
 import sys
+import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 
 import distcomm
 
+from .._jobs import ELASTIC_DDP
 from ._cluster import SUBNET, hosts, python_env, run_on_hosts
 from ._output import ranks_said
 
@@ -134,3 +136,28 @@ def test_torchrun_multi_node_workers_meet_again_after_a_restart(nodes: list[str]
     said = ranks_said(result, WORLD)
     _each_rank_saw_the_world(result)
     assert all(s["attempt"] >= 1 for s in said), said
+
+
+def _distcomm_run(nodes: list[str], port: str, *args: str) -> list[tuple[str, list[str], dict[str, str]]]:
+    """One ``python -m distcomm run`` agent per node; the first node's serves the job's store."""
+    return [(nodes[n], [sys.executable, "-m", "distcomm", "run", "--nnodes", str(NODES), "--node-rank", str(n),
+                        "--nproc-per-node", str(PER_NODE), "--master-addr", f"{SUBNET}.1", "--master-port", port,
+                        *args], python_env(NIC)) for n in range(NODES)]
+
+
+def test_distcomm_run_multi_node(nodes: list[str], scripts: Path) -> None:
+    result = run_on_hosts(_distcomm_run(nodes, str(distcomm.free_port()), str(scripts / "who.py")), scripts)
+    _each_rank_saw_the_world(result)
+    assert {s["launcher"] for s in ranks_said(result, WORLD)} == {"torchrun"}  # (its variables)
+
+
+def test_distcomm_run_multi_node_starts_a_lost_worker_again_on_its_own_node(nodes: list[str], scripts: Path) -> None:
+    """Rank 3, on the second node, is killed; that node's agent starts it again, the members let it
+    in, and both agents end with the job finished."""
+    (scripts / "elastic.py").write_text(textwrap.dedent(ELASTIC_DDP))
+    result = run_on_hosts(_distcomm_run(nodes, str(distcomm.free_port()), "--replacements", "1",
+                                        str(scripts / "elastic.py"), "3"), scripts)
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert "rank 3 (pid " in result.stdout and "was lost (killed by SIGKILL); started again" in result.stdout
+    assert result.stdout.count("done: members [0, 1, 2, 3], admitted [3]") == WORLD, result.stdout[-4000:]
+    assert result.stdout.count("distcomm run: the job finished") == NODES, result.stdout[-4000:]
