@@ -228,6 +228,7 @@ class _TorchCommunicator(Communicator):
 
     def _succeeded_by(self, new: Communicator) -> Communicator:
         self._successor = new  # use(self) follows it
+        new._launcher = self._launcher  # (the same processes, started by the same launcher)
         return new
 
     def _rebuild_settings(self) -> dict[str, Any]:

@@ -155,7 +155,8 @@ SURVIVE = """
     print(json.dumps({"failed": failed, "rank": new.rank, "world": new.world_size,
                       "members": new.membership.job_ranks, "lost": new.membership.lost,
                       "gathered": new.all_gather(new.membership.job_ranks[new.rank]),
-                      "sum": int(new.all_reduce_dict({"x": 1}, op="sum")["x"]), "repr": repr(new)}), flush=True)
+                      "sum": int(new.all_reduce_dict({"x": 1}, op="sum")["x"]), "repr": repr(new),
+                      "launchers": [comm.launcher, new.launcher]}), flush=True)
     new.close()
 """
 
@@ -183,6 +184,7 @@ def test_survivors_shrink_to_a_communicator_of_themselves(tmp_path: Path, world:
         assert (got["rank"], got["world"], got["members"]) == (alive.index(r), len(alive), alive), got
         assert got["lost"] == sorted(lost) and got["gathered"] == alive and got["sum"] == len(alive), got
         assert f"lost={sorted(lost)}" in got["repr"], got
+        assert got["launchers"][0] and got["launchers"][0] == got["launchers"][1], got  # (the same processes)
 
 
 NOBODY_LOST = """
