@@ -26,7 +26,7 @@ $(RUNTIME): pyproject.toml Makefile
 	@touch $(RUNTIME)
 	@echo "==> set-up done"
 
-# The tests' and the house's tools on top: pytest, ruff, mypy, hypothesis, matplotlib, mmengine-lite.
+# The tests' and the house's tools on top: pytest (with xdist), ruff, mypy, hypothesis, matplotlib, mmengine-lite.
 $(STAMP): $(RUNTIME)
 	@echo "==> installing the dev tools: pytest, ruff, mypy, hypothesis, matplotlib, mmengine-lite"
 	@PYTHONWARNINGS=ignore $(BIN)/python -m pip install -q -e ".[dev]"
@@ -38,8 +38,8 @@ demo: $(RUNTIME)  ## the example training and evaluation jobs on 2 CPU processes
 	$(BIN)/python examples/train.py --nproc 2
 	$(BIN)/python examples/evaluate.py --nproc 2
 
-test: $(STAMP)  ## the suite but its slow tests and the launcher tier (6-11 minutes on 2 cores)
-	$(BIN)/python -m pytest -q
+test: $(STAMP)  ## the suite but its slow tests and the launcher tier, two test processes at once (about 4-6 minutes on 2 cores)
+	$(BIN)/python -m pytest -q -n 2
 
 test-slow: $(STAMP)  ## only the slow tests: large worlds, timeouts, launch, torchrun, README blocks, the kill campaign (about 40 minutes)
 	$(BIN)/python -m pytest -q -m slow

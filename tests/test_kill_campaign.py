@@ -18,7 +18,8 @@ import pytest
 from ._campaign import Outcome, run_job
 
 
-@pytest.mark.parametrize(("world", "seed"), [(4, 1), pytest.param(8, 2, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize(("world", "seed"), [(4, 1), (8, 2)])
 def test_a_few_jobs_survive_their_kills(tmp_path: Path, world: int, seed: int) -> None:
     out = run_job(tmp_path, world, seed)
     assert out.kills >= 1 and out.hangs == 0 and out.wrong == 0, out.details

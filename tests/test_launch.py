@@ -297,6 +297,7 @@ def _replaced_then_slow(out: str) -> None:
         Path(out, "replacement-finished").write_text("yes")
 
 
+@pytest.mark.slow  # (a few seconds of real processes: the slow tier)
 def test_an_admitted_replacement_still_working_is_waited_for_and_logs_apart(tmp_path: Path) -> None:
     """launch(elastic=True) ended an admitted replacement that outlived the members, saying it "was never
     admitted"; and a replacement's log took the place of the lost process's."""

@@ -102,7 +102,7 @@ def test_a_rank_with_another_world_size_is_refused_naming_both() -> None:
 
 def test_nothing_listening_is_named_as_such() -> None:
     with pytest.raises(distcomm.CollectiveTimeoutError, match=r"nothing listens there \(connection refused\)"):
-        meet("127.0.0.1", distcomm.free_port(), 1, 2, 10.0)
+        meet("127.0.0.1", distcomm.free_port(), 1, 2, 2.0)
 
 
 def test_a_rank_waiting_when_the_store_host_gives_up_is_told_in_one_line(capfd: pytest.CaptureFixture[str]) -> None:
@@ -498,6 +498,7 @@ LEFT_IN_A_RECV = """
 """
 
 
+@pytest.mark.slow  # (a few seconds of real processes: the slow tier)
 def test_a_rank_left_waiting_in_an_old_group_exits_cleanly(tmp_path: Path) -> None:
     """Rank 1's helper thread still waits in the first group's recv when the program ends; rank 0's
     exit ends that wait. Inside the interpreter's finalization, that aborted rank 1 ("terminate
@@ -538,6 +539,7 @@ LEFT_WAITING_ON_EACH_OTHER = """
 """
 
 
+@pytest.mark.slow  # (a few seconds of real processes: the slow tier)
 def test_two_ranks_left_waiting_on_each_other_in_an_old_group_exit_cleanly(tmp_path: Path) -> None:
     """Ranks 0 and 1 each still wait, in a waiter thread, for the other's message in the first group
     when the program ends: each wait would end only when the other process exits, so one of them
@@ -678,6 +680,7 @@ HOLDS_THE_GIL = """
 """
 
 
+@pytest.mark.slow  # (a few seconds of real processes: the slow tier)
 def test_a_rank_whose_process_lives_here_is_not_lost_by_its_keep_alive_alone(tmp_path: Path) -> None:
     """A pybind11 op that doesn't release the GIL stops the keep-alive's beat; the watcher sees the
     process alive on this machine, and no one is declared lost."""
@@ -686,6 +689,7 @@ def test_a_rank_whose_process_lives_here_is_not_lost_by_its_keep_alive_alone(tmp
         assert code == 0 and lines == [{"got": [0, 1, 2], "members": [0, 1, 2]}], (r, code, err)
 
 
+@pytest.mark.slow  # (a few seconds of real processes: the slow tier)
 def test_a_rank_stuck_here_for_four_times_the_loss_time_is_lost_naming_its_process(tmp_path: Path) -> None:
     _, procs = _job(tmp_path, HOLDS_THE_GIL, 3, "9")
     ended = _ended(procs)
@@ -740,6 +744,7 @@ def test_a_replacement_for_a_member_that_died_but_is_not_yet_shrunk_away_is_let_
         assert code == 0 and lines == [{"members": [0, 1, 2], "admitted": [2]}], (r, code, lines, err)
 
 
+@pytest.mark.slow  # (a few seconds of real processes: the slow tier)
 def test_a_replacement_with_another_world_size_is_refused_naming_both_sizes(tmp_path: Path) -> None:
     """It was let in, and the round it opened took its size: later replacements were refused instead."""
     port, procs = _job(tmp_path, DUPLICATE, 2)

@@ -117,6 +117,7 @@ NO_ADMIT = """
 """
 
 
+@pytest.mark.slow  # (a few seconds of real processes: the slow tier)
 def test_a_replacement_nobody_lets_in_is_ended_once_the_members_stop_beating(tmp_path: Path) -> None:
     out = cli("run", "--nproc-per-node", "3", "--replacements", "1", _script(tmp_path, NO_ADMIT), timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from ._jobs import ended, job
+
+pytestmark = pytest.mark.slow  # (a timeout's wait, in real processes)
 
 SHRINKING = """
     import json, os, signal, sys, time
