@@ -29,7 +29,7 @@ from pathlib import Path
 from _report import publish  # (run as a script: benchmarks/ is on the path)
 
 import distcomm
-from distcomm._rendezvous import serve_store
+from distcomm._launching.rendezvous import serve_store
 
 JOB = textwrap.dedent("""
     import json, os, signal, sys, time

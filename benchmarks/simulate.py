@@ -43,10 +43,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from distcomm import Communicator, _frame
+from distcomm import Communicator
 from distcomm._calls import OpStats
-from distcomm._header_exchange import SUMMARY_CARRY, SUMMARY_CARRY_ACROSS, gather_headers, header_blocks, summarize
-from distcomm._routes import BROADCAST, ROUTES, build_slot
+from distcomm._transfer.header_exchange import (
+    SUMMARY_CARRY,
+    SUMMARY_CARRY_ACROSS,
+    gather_headers,
+    header_blocks,
+    summarize,
+)
+from distcomm._transfer.routes import BROADCAST, ROUTES, build_slot
+from distcomm._wire import frame as _frame
 from distcomm.testing import FakeCommunicator
 
 MiB = 1 << 20

@@ -99,7 +99,7 @@ def run(port: int, world: int, seconds: float, agreeing: bool, tmp: Path) -> dic
     procs = [subprocess.Popen([sys.executable, str(script), str(port), str(f), str(n), str(world), str(int(seconds)),
                                "1" if agreeing else "0"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
              for f, n in zip(firsts, per, strict=True) if n]  # (their errors go to this process's stderr)
-    probe = distcomm._rendezvous._c10d().TCPStore("127.0.0.1", port, is_master=False,
+    probe = distcomm._launching.rendezvous._c10d().TCPStore("127.0.0.1", port, is_master=False,
                                                  timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
     connecting = 0.0
     for p in procs:  # every rank connected: they start together

@@ -47,6 +47,7 @@ from ._api import (
 from ._calls import OpStats
 from ._communicator import DEFAULT_TIMEOUT, Communicator
 from ._context import current, use
+from ._elastic.membership import Membership
 from ._errors import (
     CollectiveError,
     CollectiveMismatchError,
@@ -61,13 +62,12 @@ from ._errors import (
     UnsafePayloadError,
     is_rank_loss,
 )
-from ._from_env import from_env
 from ._handles import Handle
-from ._launch import free_port, launch
+from ._launching.from_env import from_env
+from ._launching.launch import free_port, launch
 from ._local import LocalCommunicator
-from ._membership import Membership
-from ._serialization import PickleSerializer, SafeSerializer, Serializer
 from ._torch import GlooCommunicator, NcclCommunicator
+from ._wire.serialization import PickleSerializer, SafeSerializer, Serializer
 
 __version__ = "0.1.0"
 

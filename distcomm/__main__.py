@@ -51,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "backend", None) == "nccl" and not _cuda():
         parser.error("--backend nccl needs CUDA, and this machine has no CUDA device")
     if args.command == "env":
-        from ._cli_env import print_environment
+        from ._cli.env import print_environment
 
         return print_environment(args.json)
     if args.command == "store":
@@ -86,7 +86,7 @@ def _run_parser(commands: Any) -> None:
 
 
 def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from ._agent import Job, run_job
+    from ._launching.agent import Job, run_job
 
     command = ("-m", args.script) if args.module else (args.script,)
     job = Job(command + tuple(args.script_args), args.nproc_per_node, args.nnodes, args.node_rank, args.master_addr,
@@ -98,7 +98,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def _bench_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from ._cli_bench import bench_problem, parse_size
+    from ._cli.bench import bench_problem, parse_size
 
     try:
         sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
@@ -119,7 +119,7 @@ def _bench_command(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
 
 def _detected(parser: argparse.ArgumentParser) -> Any:
     """What started this process (``detect()``); variables that contradict each other end the command."""
-    from ._launchers import detect
+    from ._launching.launchers import detect
 
     try:
         return detect()
@@ -174,7 +174,7 @@ def _cuda() -> bool:
 
 
 def _check() -> bool:
-    from ._cli_check import check_rank
+    from ._cli.check import check_rank
 
     return check_rank()
 
@@ -182,7 +182,7 @@ def _check() -> bool:
 def _bench(sizes: list[int], png: str | None) -> bool:
     import distcomm
 
-    from ._cli_bench import bench_problem, bench_rank, plot, table
+    from ._cli.bench import bench_problem, bench_rank, plot, table
 
     comm = distcomm.current()  # rank 0 decides for all: memory and matplotlib may differ per machine
     problem = comm.broadcast(bench_problem(sizes, comm.world_size, comm.local_size, png) if comm.rank == 0 else None)
@@ -202,7 +202,7 @@ def _bench(sizes: list[int], png: str | None) -> bool:
 def _store(port: int, world: int) -> int:
     """Serve a job's store on PORT until interrupted. Start the ranks with MASTER_ADDR=<this host>,
     MASTER_PORT=PORT and DISTCOMM_STORE=external: the store then outlives any of them."""
-    from ._rendezvous import serve_store
+    from ._launching.rendezvous import serve_store
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from . import _frame
 from ._calls import Op
 from ._errors import CollectiveError, CollectiveMismatchError, PayloadTooLargeError, SerializationError
+from ._wire import frame as _frame
 
 if TYPE_CHECKING:
     from ._communicator import Communicator

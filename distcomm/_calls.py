@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
-from . import _frame
+from ._wire import frame as _frame
 
 __all__ = ["CallSpec", "Op", "OpStats"]
 

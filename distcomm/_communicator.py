@@ -26,28 +26,28 @@ from typing import Any, Literal, ParamSpec, TypeVar, cast
 import numpy as np
 import torch
 
-from . import _frame
 from ._agreement import where
-from ._all_to_all import all_to_all, all_to_all_problem
 from ._calls import CallSpec, Op, OpStats
 from ._conveniences import main_process_first, print_main, shard
+from ._elastic.membership import Membership, warn_late_first_call
 from ._errors import CollectiveError, CommunicatorStateError
 from ._groups import dup, regroup_machines, split, sub_settings
 from ._handles import Handle, Queues, refuse_close
-from ._membership import Membership, warn_late_first_call
-from ._memory import seconds
-from ._messages import irecv, isend
 from ._one_at_a_time import COLLECTIVES, exclusive, user_site
 from ._ops import ReduceOpLike, object_op, tensor_op
 from ._ordering import gather_in_order
-from ._pipeline import run
 from ._reductions import dict_op, reduce_dict, reduce_objects
-from ._serialization import Serializer, default_serializer
 from ._state import check_identical, sync_state
 from ._tensors import (
     run_tensor_op,
 )
-from ._transport import TransportHooks
+from ._transfer.all_to_all import all_to_all, all_to_all_problem
+from ._transfer.messages import irecv, isend
+from ._transfer.pipeline import run
+from ._transfer.transport import TransportHooks
+from ._wire import frame as _frame
+from ._wire.memory import seconds
+from ._wire.serialization import Serializer, default_serializer
 
 __all__ = ["COLLECTIVES", "DEFAULT_TIMEOUT", "Communicator"]
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from ._communicator import Communicator
 from ._defaults import get_default
 from ._errors import CommunicatorStateError
-from ._launchers import detect, inherited
+from ._launching.launchers import detect, inherited
 from ._local import LocalCommunicator
 from ._torch import GlooCommunicator, NcclCommunicator
 

@@ -23,7 +23,7 @@ import torch
 
 from ._agreement import where
 from ._errors import CommunicatorStateError
-from ._memory import seconds
+from ._wire.memory import seconds
 
 if TYPE_CHECKING:
     from ._communicator import Communicator

@@ -16,9 +16,9 @@ import torch
 from ._agreement import digest_of, odd_ones
 from ._calls import CallSpec, Op, OpStats
 from ._errors import CollectiveError, CollectiveMismatchError, CommunicatorStateError
-from ._frame import I64
-from ._memory import materialized
 from ._ops import fold_tensors, tensor_problem
+from ._wire.frame import I64
+from ._wire.memory import materialized
 
 if TYPE_CHECKING:
     from ._communicator import Communicator

@@ -17,21 +17,28 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as _dc10d
 
-from . import _frame, _membership
 from ._agreement import check_settings, spans
 from ._calls import CallSpec, Op
 from ._communicator import DEFAULT_SLOT_BYTES, Communicator
 from ._defaults import clear_default
-from ._deferred_free import DEFERRED
+from ._elastic import membership as _membership
+from ._elastic.deferred_free import DEFERRED
+from ._elastic.failure_report import fail
+from ._elastic.forming import connecting, forming_watched, native_store
+from ._elastic.liveness import process_id
+from ._elastic.membership import Membership
+from ._elastic.waits import SLICE, break_groups, interrupted, timedelta_of, wait
 from ._errors import (
     CollectiveError,
     CommunicatorStateError,
 )
-from ._failure_report import fail
-from ._forming import connecting, forming_watched, native_store
-from ._gathered_reduce import gathered_reduce, gathered_traffic, takes_gathered
 from ._handles import Queues
-from ._header_exchange import (
+from ._launching.launchers import detect
+from ._launching.rendezvous import Seat
+from ._launching.start import start_from, start_seat
+from ._one_at_a_time import exclusive
+from ._transfer.gathered_reduce import gathered_reduce, gathered_traffic, takes_gathered
+from ._transfer.header_exchange import (
     SUMMARY_CARRY,
     SUMMARY_CARRY_ACROSS,
     HeaderBufs,
@@ -40,15 +47,9 @@ from ._header_exchange import (
     header_blocks,
     table_index,
 )
-from ._launchers import detect
-from ._liveness import process_id
-from ._membership import Membership
-from ._messages import settle_eager, settle_limit, torch_recv, torch_send
-from ._one_at_a_time import exclusive
-from ._rendezvous import Seat
-from ._serialization import Serializer
-from ._start import start_from, start_seat
-from ._waits import SLICE, break_groups, interrupted, timedelta_of, wait
+from ._transfer.messages import settle_eager, settle_limit, torch_recv, torch_send
+from ._wire import frame as _frame
+from ._wire.serialization import Serializer
 
 __all__ = ["GlooCommunicator", "NcclCommunicator"]
 

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import distcomm
-from distcomm._rendezvous import serve_store
+from distcomm._launching.rendezvous import serve_store
 
 RANK_PROGRAM = textwrap.dedent("""
     import faulthandler, json, os, random, signal, sys, threading, time

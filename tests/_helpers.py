@@ -7,8 +7,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import distcomm
-from distcomm import _frame
-from distcomm._header_exchange import SUMMARY_CARRY, summary_size
+from distcomm._transfer.header_exchange import SUMMARY_CARRY, summary_size
+from distcomm._wire import frame as _frame
 
 MiB = 1 << 20
 
@@ -66,7 +66,7 @@ def two_levels_from_five_ranks() -> Iterator[None]:
     """Communicators made meanwhile on hosts of one rank exchange headers in two levels from 5
     ranks, as they do beyond ``FLAT_WORLD`` (a world of 33 or more), so that small test worlds
     exercise the two-level groups."""
-    from distcomm import _header_exchange
+    from distcomm._transfer import header_exchange as _header_exchange
 
     flat = _header_exchange.FLAT_WORLD
     _header_exchange.FLAT_WORLD = _frame.SMALL_WORLD

@@ -205,7 +205,7 @@ def header_blocks(comm: distcomm.Communicator, blocks: list[list[int]]) -> Itera
 
 def exercise_in_blocks(comm: distcomm.Communicator) -> dict[str, Any]:
     """``exercise`` with the header exchange in two levels, as on hosts of one rank each."""
-    from distcomm import _header_exchange
+    from distcomm._transfer import header_exchange as _header_exchange
 
     with header_blocks(comm, _header_exchange.header_blocks(comm.world_size, [[r] for r in range(comm.world_size)])):
         return exercise(comm)

@@ -46,7 +46,7 @@ _NP_CORE: Any = getattr(np, "_core", None) or np.core
 _ALLOWED_GLOBALS = {id(g) for g in (*_ALLOWED_TYPES[:-4], torch.Size, torch.device, np.ndarray, np.dtype,
                                      _NP_CORE.multiarray._reconstruct, _NP_CORE.multiarray.scalar,
                                      _NP_CORE.numeric._frombuffer, torch._utils._rebuild_parameter,
-                                     distcomm._tensor_pickle.rebuild_tensor)}
+                                     distcomm._wire.tensor_pickle.rebuild_tensor)}
 _TIME_BUDGET = 2.0  # seconds a load of a fuzzed payload (a few hundred bytes) may take
 _HANG = 30.0  # seconds after which the watchdog stops the fuzzer and names the payload
 _SLOT = 4096  # bytes of the current payload the watchdog can show

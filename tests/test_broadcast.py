@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import distcomm
-from distcomm import _frame
-from distcomm._routes.broadcast import broadcast_tree
+from distcomm._transfer.routes.broadcast import broadcast_tree
+from distcomm._wire import frame as _frame
 from distcomm.testing import run_threaded, spawn
 from tests._helpers import _ONE_KIB_OOB, MiB, _header_bytes, _one
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import distcomm
-from distcomm import _frame
+from distcomm._wire import frame as _frame
 from distcomm.testing import run_threaded, spawn
 from tests._helpers import MiB, _header_bytes, _one
 

@@ -73,7 +73,7 @@ def test_check_under_a_launcher_refuses_nproc() -> None:
 
 
 def _other_version_on_rank_1(comm: distcomm.Communicator) -> tuple[bool, str]:
-    from distcomm._cli_check import check_rank
+    from distcomm._cli.check import check_rank
 
     if comm.rank == 1:
         distcomm.__version__ = "9.9.9"  # this process only
@@ -160,7 +160,7 @@ def _alive(pid: int) -> bool:
 
 
 def _wrong_on_rank_1(comm: distcomm.Communicator) -> tuple[bool, str]:
-    from distcomm import _cli_check
+    from distcomm._cli import check as _cli_check
 
     if comm.rank == 1:  # a check that finds a wrong value on one rank only
         _cli_check._CHECKS.append(("odd", lambda c: "got 41, wanted 42"))

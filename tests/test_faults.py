@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import distcomm
-from distcomm import _frame
+from distcomm._wire import frame as _frame
 from distcomm.testing import RankFailedError, run_threaded, spawn
 
 

@@ -8,8 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from distcomm import FrameError, _frame
-from distcomm._header_exchange import expand, summarize
+from distcomm import FrameError
+from distcomm._transfer.header_exchange import expand, summarize
+from distcomm._wire import frame as _frame
 
 segments = st.lists(st.lists(st.binary(max_size=300), max_size=4), max_size=4)
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import distcomm
-from distcomm._routes import gather as gather_route
+from distcomm._transfer.routes import gather as gather_route
 from distcomm.testing import FakeCommunicator, run_threaded, spawn
 from tests._helpers import _ONE_KIB_OOB, _header_bytes, _one
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 import distcomm
-from distcomm._gathered_reduce import GATHERED_REDUCE_BYTES
+from distcomm._transfer.gathered_reduce import GATHERED_REDUCE_BYTES
 from distcomm.testing import spawn
 
 WORLD = 6
@@ -110,7 +110,7 @@ def test_which_reductions_go_through_the_root() -> None:
     result with a NaN is the ring's, tests/test_nan_reductions.py)."""
     from types import SimpleNamespace
 
-    from distcomm._gathered_reduce import takes_gathered
+    from distcomm._transfer.gathered_reduce import takes_gathered
 
     def takes(world: int, t: torch.Tensor, op: str = "sum") -> bool:
         return takes_gathered(SimpleNamespace(_world=world), t, op)  # type: ignore[arg-type]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import distcomm
-from distcomm import _frame
+from distcomm._wire import frame as _frame
 from distcomm.testing import FakeCommunicator, run_threaded, spawn
 from tests.test_faults import outcome
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from distcomm import _frame
+from distcomm._wire import frame as _frame
 
 
 @pytest.mark.parametrize("odd", [[], [0], [1], [5], [6], [0, 1], [2, 4], [0, 6]])
 def test_header_summary_names_the_one_odd_slot_or_asks_for_the_table(odd: list[int]) -> None:
-    from distcomm._header_exchange import summarize
+    from distcomm._transfer.header_exchange import summarize
 
     world, size = 7, _frame.HEADER_SLOT
     table = bytearray(b"c" * size * world)
@@ -37,7 +37,7 @@ def test_header_summary_names_the_one_odd_slot_or_asks_for_the_table(odd: list[i
 def test_rank_0_assembles_the_table_from_the_blocks_tables(blocks: list[list[int]]) -> None:
     """Rank 0 gets each block's slots from its first rank in one buffer per block (as long as the
     longest block); the table it makes of them holds every rank's slot in its row, in one pass."""
-    from distcomm._header_exchange import table_index
+    from distcomm._transfer.header_exchange import table_index
 
     world, size = sum(len(b) for b in blocks), 8
     per = max(len(b) for b in blocks)
@@ -54,7 +54,7 @@ def test_rank_0_assembles_the_table_from_the_blocks_tables(blocks: list[list[int
 def test_rank_0_takes_the_tables_of_machines_of_8_in_place() -> None:
     """At 1,024 ranks on machines of 8 the blocks' tables land in rank 0's table as they are (no
     copy); on hosts of one rank it takes them in one pass over a precomputed index."""
-    from distcomm._header_exchange import header_blocks, table_index
+    from distcomm._transfer.header_exchange import header_blocks, table_index
 
     machines = [list(range(m, m + 8)) for m in range(0, 1024, 8)]
     assert table_index(header_blocks(1024, machines), 1024) is None
@@ -78,7 +78,7 @@ def test_rank_0_takes_the_tables_of_machines_of_8_in_place() -> None:
 ])
 def test_header_blocks_follow_the_machines_else_one_block_then_sqrt_runs(world: int, machines: list[list[int]],
                                                           blocks: list[list[int]]) -> None:
-    from distcomm._header_exchange import header_blocks
+    from distcomm._transfer.header_exchange import header_blocks
 
     assert header_blocks(world, machines) == blocks
 
@@ -86,7 +86,7 @@ def test_header_blocks_follow_the_machines_else_one_block_then_sqrt_runs(world: 
 def test_header_blocks_at_1024_ranks() -> None:
     """Machines of 8 GPUs: 128 blocks of 8 (rank 0 gathers 7 slots, then 127 tables); hosts of one
     rank: rank 0 alone, then 31 blocks of 32 and one of 31 (rank 0 gathers 32 tables, nothing else)."""
-    from distcomm._header_exchange import header_blocks
+    from distcomm._transfer.header_exchange import header_blocks
 
     machines = [list(range(m, m + 8)) for m in range(0, 1024, 8)]
     assert header_blocks(1024, machines) == machines

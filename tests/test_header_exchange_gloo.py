@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import distcomm
-from distcomm._header_exchange import SUMMARY_CARRY, SUMMARY_CARRY_ACROSS
+from distcomm._transfer.header_exchange import SUMMARY_CARRY, SUMMARY_CARRY_ACROSS
 from distcomm.testing import spawn
 from tests._helpers import _header_bytes
 from tests.contract import header_blocks

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 import distcomm
-from distcomm._launch import describe
+from distcomm._launching.launch import describe
 from distcomm.testing import run_threaded
 from tests._scripts import run_script
 

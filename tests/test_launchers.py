@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 import distcomm
-from distcomm._hostlist import expand_hostlist
-from distcomm._launchers import LaunchEnv, detect, tasks_per_node
+from distcomm._launching.hostlist import expand_hostlist
+from distcomm._launching.launchers import LaunchEnv, detect, tasks_per_node
 
 _PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "MPI_LOCAL", "MV2_", "TORCHELASTIC_")
 _NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
@@ -407,7 +407,7 @@ def test_kubeflow_several_processes_per_pod_without_torchrun(monkeypatch: pytest
         ("kubeflow", p, 1, p, 4) for p in range(4)]
     assert (world.master_addr, world.master_port) == ("job-master-0", 23456)
     # launch(main, 2) in each pod starts the 2 processes the job asked for, 8 in all
-    assert distcomm._from_env.machines_under(pods[1], 2, 1, 0, None) == (4, 1, "tcp://job-master-0:23456")
+    assert distcomm._launching.from_env.machines_under(pods[1], 2, 1, 0, None) == (4, 1, "tcp://job-master-0:23456")
     # the pod's processes started by hand, each with its LOCAL_RANK
     procs = [detect(_pytorchjob(p, LOCAL_RANK=str(lr))) for p in range(4) for lr in range(2)]
     assert [(e.rank, e.local_rank, e.local_size, e.node_rank) for e in _one_world(procs) and procs] == [
@@ -445,7 +445,7 @@ import json, sys, types
 package = types.ModuleType("distcomm")  # the launcher module alone: no torch to import in every rank
 package.__path__ = [sys.argv[1]]
 sys.modules["distcomm"] = package
-from distcomm._launchers import detect
+from distcomm._launching.launchers import detect
 e = detect()
 with open(sys.argv[2], "w") as out:
     json.dump([e.launcher, e.rank, e.world_size, e.master_addr, e.master_port, e.job, e.address_problem], out)
@@ -524,7 +524,7 @@ def test_ipv6_loopback_is_this_machine(tmp_path: Any) -> None:
         for rank in ranks:
             rank.kill()
     assert all("GATHERED [0, 1]" in out for out in outs), outs
-    assert (distcomm._start.url_host("::1"), distcomm._start.url_host("n1")) == ("[::1]", "n1")
+    assert (distcomm._launching.start.url_host("::1"), distcomm._launching.start.url_host("n1")) == ("[::1]", "n1")
 
 
 def _helpers_in_a_process_given_its_own_rank(queue: Any) -> None:

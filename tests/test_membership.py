@@ -22,7 +22,7 @@ import pytest
 
 import distcomm
 import distcomm.testing
-from distcomm._rendezvous import meet, serve_store
+from distcomm._launching.rendezvous import meet, serve_store
 
 from ._jobs import WAIT
 from ._jobs import ended as _ended
@@ -76,7 +76,7 @@ def test_a_restarted_rank_completes_the_round_with_the_others() -> None:
 
 def _launchers_store(port: int) -> Any:
     """A store the launcher hosts, as torchrun's agent does (kept across its workers' rendezvous)."""
-    return distcomm._rendezvous._c10d().TCPStore("127.0.0.1", port, 2, True, datetime.timedelta(seconds=30),
+    return distcomm._launching.rendezvous._c10d().TCPStore("127.0.0.1", port, 2, True, datetime.timedelta(seconds=30),
                                                  wait_for_workers=False)
 
 
@@ -308,7 +308,7 @@ def test_members_admit_a_replacement_into_the_lost_ranks_place(tmp_path: Path) -
 
 ADMIT_LOSING = """
     import json, os, signal, sys, time
-    import distcomm, distcomm._membership, distcomm._start
+    import distcomm, distcomm._elastic.membership, distcomm._launching.start
 
     def dies_after(fn, when=lambda result: True):
         def call(*args, **kwargs):
@@ -331,9 +331,10 @@ ADMIT_LOSING = """
             print(json.dumps({"shrunk": True}), flush=True)  # the test starts the replacement now
         me = comm.membership.job_ranks[comm.rank]
         if sys.argv[2] == "forming" and me == 3:  # dies as the admit's group forms, before it writes a key
-            distcomm._start.publish_pid = dies_after(lambda seat: None)
+            distcomm._launching.start.publish_pid = dies_after(lambda seat: None)
         if sys.argv[2] == "deciding" and me == 0:  # decides, tells the newcomer, and dies before the broadcast
-            distcomm._membership._decide = dies_after(distcomm._membership._decide, lambda decision: decision[1])
+            membership = distcomm._elastic.membership
+            membership._decide = dies_after(membership._decide, lambda decision: decision[1])
         while True:
             try:
                 new = comm.admit()
@@ -556,7 +557,7 @@ ASKED_FROM_TRANSPORT = """
     import torch
     import torch.distributed as dist
     import distcomm
-    from distcomm import _forming
+    from distcomm._elastic import forming as _forming
 
     asked = []  # the watched store's calls: on a thread of gloo's own, or on Python's
     for name in ("get", "wait", "check", "set", "add"):
@@ -664,9 +665,9 @@ def test_from_env_names_a_master_addr_that_does_not_resolve(monkeypatch: pytest.
 
 HOLDS_THE_GIL = """
     import ctypes, json, sys, time
-    import distcomm, distcomm._liveness
+    import distcomm, distcomm._elastic.liveness
 
-    distcomm._liveness.LOSS_SECONDS = 1.5  # (30 s in a job): lost after 1.5 s, or 6 s if its process lives here
+    distcomm._elastic.liveness.LOSS_SECONDS = 1.5  # (30 s in a job): lost after 1.5 s, or 6 s if its process lives here
     comm = distcomm.from_env(timeout=60)
     comm.all_gather(0)
     if comm.rank == 1:

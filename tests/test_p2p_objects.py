@@ -112,7 +112,7 @@ def test_max_bytes_on_the_sender_and_the_receiver() -> None:
 
 
 def _forged_size(comm: distcomm.Communicator) -> str:
-    from distcomm import _messages
+    from distcomm._transfer import messages as _messages
 
     if comm.rank == 0:  # a peer announcing 2**62 bytes, one segment: no max_bytes set
         head = _messages._HEAD.pack(_messages._MAGIC, _messages._VERSION, 1, 1 << 62)
@@ -228,7 +228,7 @@ def test_eager_sends_on_many_lanes_at_once_all_arrive() -> None:
 
 
 def _producer_faster_than_its_consumer(comm: distcomm.Communicator) -> Any:
-    from distcomm._messages import EAGER_PENDING
+    from distcomm._transfer.messages import EAGER_PENDING
 
     if comm.rank == 0:
         most = 0

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 import distcomm
-from distcomm._rendezvous import meet
+from distcomm._launching.rendezvous import meet
 
 
 def _ranks_at_once(world: int, meet: Callable[[int], Any]) -> list[Any]:
@@ -37,7 +37,7 @@ def _ranks_at_once(world: int, meet: Callable[[int], Any]) -> list[Any]:
 
 def _launchers_store(port: int) -> Any:
     """A store the launcher hosts, as torchrun's agent does (kept across its workers' rendezvous)."""
-    return distcomm._rendezvous._c10d().TCPStore("127.0.0.1", port, 2, True, datetime.timedelta(seconds=30),
+    return distcomm._launching.rendezvous._c10d().TCPStore("127.0.0.1", port, 2, True, datetime.timedelta(seconds=30),
                                                  wait_for_workers=False)
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import distcomm
-from distcomm import _frame
+from distcomm._wire import frame as _frame
 from distcomm.testing import FakeCommunicator, run_threaded, spawn
 from tests._helpers import _header_bytes, _one
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import distcomm
-from distcomm._tensor_pickle import CUDA_TARGET, rebuild_tensor
+from distcomm._wire.tensor_pickle import CUDA_TARGET, rebuild_tensor
 from distcomm.testing import FakeCommunicator, run_threaded, spawn
 
 
@@ -380,7 +380,7 @@ import collections, pickle, pickletools
 import numpy as np
 import torch
 import distcomm
-from distcomm._tensor_pickle import rebuild_tensor
+from distcomm._wire.tensor_pickle import rebuild_tensor
 from numpy.core.multiarray import _reconstruct, scalar
 from torch._utils import _rebuild_parameter
 

@@ -16,7 +16,7 @@ SHRINKING = """
     import json, os, signal, sys, time
     import torch
     import distcomm
-    from distcomm._deferred_free import DEFERRED
+    from distcomm._elastic.deferred_free import DEFERRED
 
     TIMEOUT = 2.0
     def counts():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from distcomm._supervise import JobStore, wait_elastic, wait_until_failure
+from distcomm._launching.supervise import JobStore, wait_elastic, wait_until_failure
 
 
 class _ExitsWhileLookedAt:

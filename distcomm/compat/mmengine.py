@@ -37,8 +37,8 @@ from .._api import get_world_size as _world_size
 from .._calls import Op
 from .._communicator import Communicator
 from .._context import active, current
-from .._from_env import from_env
-from .._launchers import detect
+from .._launching.from_env import from_env
+from .._launching.launchers import detect
 from .._local import LocalCommunicator
 from .._ops import op_name
 from . import torch as _objects

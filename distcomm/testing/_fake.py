@@ -12,11 +12,8 @@ from typing import Any
 
 import torch
 
-from .. import _frame
-from .._all_to_all import all_to_all_problem
 from .._calls import CallSpec, Op
 from .._communicator import COLLECTIVES, Communicator
-from .._messages import encode, parse
 from .._ops import fold_tensors, object_op, tensor_op
 from .._ordering import results_problem
 from .._reductions import (
@@ -29,12 +26,15 @@ from .._reductions import (
     reduce_digest,
     work_tensor,
 )
-from .._routes import BROADCAST, GATHER, ROUTES, SCATTER, build_slot, over_max_bytes
-from .._routes.broadcast import received_from
-from .._routes.gather import subtrees, tree_gather_totals
-from .._routes.scatter import part_slot_size, parts_problem, scatter_head
-from .._serialization import failure_text
 from .._tensors import tensor_fields, tensor_input_problem
+from .._transfer.all_to_all import all_to_all_problem
+from .._transfer.messages import encode, parse
+from .._transfer.routes import BROADCAST, GATHER, ROUTES, SCATTER, build_slot, over_max_bytes
+from .._transfer.routes.broadcast import received_from
+from .._transfer.routes.gather import subtrees, tree_gather_totals
+from .._transfer.routes.scatter import part_slot_size, parts_problem, scatter_head
+from .._wire import frame as _frame
+from .._wire.serialization import failure_text
 
 __all__ = ["Call", "FakeCommunicator"]
 

@@ -19,12 +19,12 @@ import cloudpickle
 import torch.distributed as dist
 
 from .._context import use
+from .._elastic.waits import WAITERS
 from .._errors import DistCommError, RankFailedError
-from .._launch import describe, first_failure
-from .._serialization import dumps_code
-from .._start import free_port, start_world
+from .._launching.launch import describe, first_failure
+from .._launching.start import free_port, start_world
 from .._torch import GlooCommunicator, NcclCommunicator
-from .._waits import WAITERS
+from .._wire.serialization import dumps_code
 
 __all__ = ["spawn"]
 

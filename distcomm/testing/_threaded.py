@@ -14,14 +14,14 @@ from typing import Any, TypeVar
 
 import torch
 
-from .. import _frame
 from .._agreement import states_table
 from .._calls import CallSpec
 from .._communicator import Communicator
 from .._context import use
+from .._elastic.membership import Membership
 from .._errors import CollectiveError, CollectiveTimeoutError, DistCommError, PeerError, RankFailedError
-from .._membership import Membership
 from .._one_at_a_time import COLLECTIVES
+from .._wire import frame as _frame
 from ._threaded_job import Lost, ThreadedJob, refuse_sub
 
 __all__ = ["ThreadedCommunicator", "run_threaded"]

@@ -9,8 +9,8 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from .._elastic.membership import Membership
 from .._errors import CommunicatorStateError
-from .._membership import Membership
 
 if TYPE_CHECKING:
     from ._threaded import ThreadedCommunicator, _World

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from distcomm._hostlist import expand_hostlist
+from distcomm._launching.hostlist import expand_hostlist
 
 from ._cluster import python_env, run
 from ._output import ranks_said

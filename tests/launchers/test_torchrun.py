@@ -118,7 +118,7 @@ def test_a_rendezvous_whose_agent_does_not_share_its_store(scripts: Path) -> Non
 
 STORE_HOST = textwrap.dedent("""
     import distcomm
-    from distcomm._failure_report import store_host
+    from distcomm._elastic.failure_report import store_host
 
     with distcomm.from_env(timeout=30) as comm:
         print(f"HOST rank {comm.rank}: {store_host(comm)}", flush=True)

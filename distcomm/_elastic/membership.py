@@ -1,0 +1,359 @@
+"""Who is in the job: the survivors of a lost rank agree on it (``shrink``), and the members let
+replacements in (``admit``). Both end in a new membership with a torch group of its own.
+
+The agreement happens in the job's store, not over the broken group: the store is one server,
+so the first proposal written with compare-and-set is the decision every survivor reads, and a
+rank that dies while the others agree only makes them agree again without it (ULFM's
+``MPI_Comm_shrink`` and ``MPIX_Comm_agree`` give the same guarantee). A rank is gone when its
+process is gone (same machine: its pid), or when its keep-alive beat in the store has not moved
+for ``LOSS_SECONDS`` (a lost host, whose connections nothing resets). A rank that is alive but slow
+is waited for until the timeout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from .._calls import CallSpec, Op
+from .._errors import CommunicatorStateError, DistCommError, PeerError
+from .._launching.rendezvous import Seat, admitted_key, admitted_seat, pid_key, ranks_in, refused_key, who_key
+from .keepalive import broken_key, keep_alive
+from .liveness import HOSTS_LOST, alive, lost_by_silence
+
+if TYPE_CHECKING:
+    from .._torch import _TorchCommunicator
+
+__all__ = ["Membership", "admission", "job_pids", "reformed", "shrink_begun", "successor", "survivors",
+           "warn_late_first_call"]
+
+BREAK_SECONDS = 1.0
+"""How long a shrink waits for its groups' waits to break before it goes on (and keeps the groups)."""
+LATE_FIRST_CALL_SECONDS = 0.5
+"""A replacement whose first call comes this long after ``from_env()`` let it in is told: the members waited."""
+POLL_SECONDS = 0.05
+LEADER_POLL_SECONDS = 0.2
+
+
+@dataclasses.dataclass(frozen=True)
+class Membership:
+    """Who a job communicator's ranks are.
+
+    ``job_ranks[r]`` is the launcher's rank of this communicator's rank ``r``; ``lost`` the job
+    ranks that the shrink which made it found gone; ``admitted`` the job ranks that the admit which
+    made it let in."""
+
+    job_ranks: tuple[int, ...]
+    lost: tuple[int, ...] = ()
+    admitted: tuple[int, ...] = ()
+
+
+# ---------------------------------------------------------------- agreement
+def agree_on_survivors(seat: Seat, members: tuple[int, ...], pids: dict[int, int],
+                       seconds: float) -> tuple[str, tuple[int, ...]]:
+    """The new epoch and its members: ``members`` (job ranks) that are here, once every other is gone.
+
+    Repeated until a round of it finds everyone it agreed on: a rank that dies between the
+    decision and the new group is then dropped too, and every survivor ends with the same answer."""
+    base = _shrink_base(seat.epoch)
+    while True:  # each round its own bound: one that waited out a slow rank leaves the next none
+        epoch, survivors = _agree(seat, base, members, pids, time.monotonic() + seconds)
+        if seat.job_rank not in survivors:
+            raise CommunicatorStateError(
+                f"rank {members.index(seat.job_rank)} (job rank {seat.job_rank}) was left out of the shrink: the "
+                f"others found it gone or it came after their timeout; start a new process to be admitted")
+        if survivors == members and base.endswith("/ready"):
+            return epoch, survivors
+        members, base = survivors, f"{epoch}/ready"
+
+
+def _agree(seat: Seat, base: str, members: tuple[int, ...], pids: dict[int, int],
+           deadline: float) -> tuple[str, tuple[int, ...]]:
+    """One round of agreement under ``base``: each member says it is here; one of them, the leader
+    (the first to come, or whoever finds the leader gone), looks at who is missing and proposes once
+    the rest are gone; the others only look for the decision (one store call a poll) and, each
+    second, at the leader. Only the leader's calls grow with the world size. Two leaders (one
+    taken for gone while it lives) are harmless: the first decision written is the one."""
+    job = _checked(seat)
+    me = seat.job_rank
+    try:
+        job.set(f"{base}/here/{me}", seat.token)
+        leader = int(job.compare_set(f"{base}/leader", "", str(me)))
+    except Exception as e:
+        raise _store_lost(seat) from e
+    beats: dict[int, tuple[bytes, float]] = {}
+    next_look = 0.0
+    while True:
+        if keep_alive.store_gone():
+            raise _store_lost(seat)
+        try:
+            if job.check([f"{base}/decision"]):
+                return _decision(job.get(f"{base}/decision").decode())
+            now = time.monotonic()
+            if leader != me:
+                if now >= next_look:
+                    next_look = now + 1.0
+                    if _gone(job, leader, pids, beats):  # take over from a lost leader (or from its taker)
+                        leader = int(job.compare_set(f"{base}/leader", str(leader), str(me)))
+                time.sleep(POLL_SECONDS)
+                continue
+            present = tuple(r for r in members if job.check([f"{base}/here/{r}"]))
+            waiting = [r for r in members if r not in present and not _gone(job, r, pids, beats)]
+        except Exception as e:
+            raise _store_lost(seat) from e
+        if not waiting or time.monotonic() > deadline:
+            proposal = f"epoch-{job.add('epochs', 1)}:{','.join(map(str, present))}"
+            return _decision(job.compare_set(f"{base}/decision", "", proposal).decode())
+        time.sleep(LEADER_POLL_SECONDS)
+
+
+def shrink_begun(job: Any, epoch: str) -> bool:
+    """Whether a member has begun to agree on the survivors of membership ``epoch`` (its first
+    round of agreement has a leader)."""
+    return bool(job.check([f"{_shrink_base(epoch)}/leader"]))
+
+
+def _shrink_base(epoch: str) -> str:
+    """Where the survivors of membership ``epoch`` agree."""
+    return f"{epoch}/shrink"
+
+
+def _decision(text: str) -> tuple[str, tuple[int, ...]]:
+    epoch, _, ranks = text.partition(":")
+    return epoch, tuple(int(r) for r in ranks.split(",") if r)
+
+
+def _gone(job: Any, rank: int, pids: dict[int, int], beats: dict[int, tuple[bytes, float]]) -> bool:
+    """Whether job rank ``rank`` is gone: its process, where this machine sees it; its beat posted
+    silent; or its beat standing still (``lost_by_silence``)."""
+    pid = pids.get(rank)
+    if (pid is not None and not alive(pid)) or rank in HOSTS_LOST:
+        return True
+    now = time.monotonic()
+    beat = job.get(f"alive/{rank}") if job.check([f"alive/{rank}"]) else b""
+    last = beats.get(rank)
+    if last is None or last[0] != beat:
+        beats[rank] = (beat, now)
+        return False
+    return lost_by_silence(pid, now - last[1])
+
+
+def _checked(seat: Seat) -> Any:
+    """The job's store, if its host is still there."""
+    if keep_alive.store_gone():
+        raise _store_lost(seat)
+    return seat.job
+
+
+def _store_lost(seat: Seat) -> PeerError:
+    host = "rank 0, which hosted it," if seat.hosted else "the process that hosted it"
+    return PeerError(
+        f"the job's store ({seat.where}) was lost: {host} is gone, and the survivors can no longer agree on who "
+        f"is left. To outlive any rank, host the store apart: launch(..., elastic=True) serves it from the "
+        f"launching process, and under other launchers DISTCOMM_STORE=external with MASTER_ADDR/MASTER_PORT "
+        f"naming a store you run (python -m distcomm store --port PORT)", op="shrink", ranks=[0])
+
+
+# ---------------------------------------------------------------- admission
+def waiting_newcomers(seat: Seat, members: Iterable[int],
+                      pids: dict[int, int]) -> tuple[str, dict[int, str], dict[int, tuple[str, str]]]:
+    """The job's open round and the processes waiting in it: (job rank -> token) to let in, and
+    (job rank -> (token, why)) to refuse: a process started as a rank that is a member and alive.
+    One started for a member that is gone but not yet shrunk away waits on: the members' next
+    admit after their shrink lets it in. ``pids``: the members' on this machine, by job rank."""
+    job = _checked(seat)
+    rnd = f"round-{int(job.add('round', 0))}"
+    world = int(job.get(f"{rnd}/world") or 0) if job.check([f"{rnd}/world"]) else 0  # ("": a size refused)
+    members = set(members)
+    newcomers: dict[int, str] = {}
+    refused: dict[int, tuple[str, str]] = {}
+    for r in range(world):
+        if not job.check([f"{rnd}/rank/{r}"]):
+            continue
+        token = job.get(f"{rnd}/rank/{r}").decode()
+        if not token or job.check([f"{rnd}/{admitted_key(r, token)}"]) or job.check([f"{rnd}/{refused_key(r, token)}"]):
+            continue
+        if r in members:
+            if _alive_member(job, seat.epoch, r, pids):
+                refused[r] = (token, f"rank {r} of the job is a member and alive ({_member_process(job, seat, r)}); "
+                                     f"this process ({token}) was started as rank {r} too: a replacement takes the "
+                                     f"rank of a lost one")
+        else:
+            newcomers[r] = token
+    return rnd, newcomers, refused
+
+
+def _alive_member(job: Any, epoch: str, rank: int, pids: dict[int, int]) -> bool:
+    """Whether member ``rank`` of membership ``epoch`` is alive: its process where this machine sees
+    it, else its beat moved since the last admit looked (the first look is no proof: it waits for
+    the next)."""
+    pid = pids.get(rank)
+    if pid is not None:
+        return alive(pid)
+    beat = job.get(f"alive/{rank}") if job.check([f"alive/{rank}"]) else b""
+    seen, _BEATS_SEEN[(epoch, rank)] = _BEATS_SEEN.get((epoch, rank)), beat
+    return seen is not None and seen != beat
+
+
+_BEATS_SEEN: dict[tuple[str, int], bytes] = {}
+"""Each member's keep-alive count when an admit of its membership last looked (alive, it moves it)."""
+
+
+def _member_process(job: Any, seat: Seat, rank: int) -> str:
+    """The process of member ``rank`` as the rendezvous named it (host and pid), where it can be found."""
+    key = who_key(seat.epoch, rank)
+    return job.get(key).decode() if job.check([key]) else f"job rank {rank}"
+
+
+def _decide(seat: Seat, members: tuple[int, ...], pids: dict[int, int]) -> tuple[str, tuple[int, ...]]:
+    """Rank 0's part of an admit: the new membership's epoch and who comes in ("" and none when no
+    one waits, or when a shrink of this membership began first). It is written down and claimed
+    as this membership's successor before anyone is told, so that members who fail the admit's
+    broadcast (a rank died in it) find it and agree within it, with those who got it."""
+    job = _checked(seat)
+    rnd, newcomers, refused = waiting_newcomers(seat, members, pids)
+    for r, (token, why) in refused.items():
+        job.set(f"{rnd}/{refused_key(r, token)}", why)
+    if not newcomers:
+        return "", ()
+    epoch = f"epoch-{job.add('epochs', 1)}"
+    job.set(f"{epoch}/members", ",".join(map(str, sorted((*members, *newcomers)))))
+    job.set(f"{epoch}/admitted", ",".join(map(str, sorted(newcomers))))
+    job.set(f"{epoch}/round", rnd)
+    for r, token in newcomers.items():
+        job.set(f"{epoch}/token/{r}", token)
+        if job.check([f"{rnd}/{pid_key(r, token)}"]):  # watched while the group forms, from the first try
+            where, _, pid = job.get(f"{rnd}/{pid_key(r, token)}").decode().partition(":")
+            job.append(f"{epoch}/pids/{where}", f"{r}:{pid},")
+    if job.compare_set(f"{seat.epoch}/successor", "", f"admit:{epoch}").decode() != f"admit:{epoch}":
+        return "", ()
+    tell_newcomers(job, epoch)
+    return epoch, tuple(sorted(newcomers))
+
+
+def tell_newcomers(job: Any, epoch: str) -> None:
+    """Let the newcomers of membership ``epoch`` in: each leaves its wait in the round, and its
+    place there is freed (the round counts only processes still waiting). Done again by any member
+    that finds the membership after a lost rank 0 (which may have told only some); the place is
+    freed once."""
+    rnd = job.get(f"{epoch}/round").decode()
+    for r in ranks_in(job.get(f"{epoch}/admitted")):
+        token = job.get(f"{epoch}/token/{r}").decode()
+        job.set(f"{rnd}/{admitted_key(r, token)}", epoch)
+        job.compare_set(f"{rnd}/rank/{r}", token, "")  # (then counted once: whoever tells first, or again)
+        if job.add(f"{epoch}/told/{r}", 1) == 1:
+            job.add(f"{rnd}/count", -1)
+
+
+# ---------------------------------------------------------------- the two calls
+def survivors(comm: _TorchCommunicator, seconds: float | None,
+              pids: dict[int, int]) -> tuple[Seat, tuple[int, ...]]:
+    """``comm.shrink()``'s agreement: the seat of the survivors' membership, and the job ranks lost
+    (``pids``: the members' on this machine, by job rank).
+    ``comm`` is let go of first (its groups are kept, not closed: see ``_abandon``); ranks still
+    waiting in the failed call find, within a second, that this one has begun to agree
+    (``_waits.check_peers``), and fail too.
+
+    Where an admit had already made this membership's successor (some members got its decision,
+    others failed it), the survivors are those of the admit's membership, newcomers included."""
+    seat = _job_seat(comm, "shrink")
+    comm._break_waits(BREAK_SECONDS)  # (this process's own waits first: the others' break at their next beat)
+    tell_broken(seat)
+    comm._abandon()
+    seat, via_admit = successor(seat)
+    if via_admit:
+        tell_broken(seat)
+    new, lost = reformed(seat, pids, _bounded(seconds))
+    return (new if via_admit else dataclasses.replace(new, admitted=())), lost
+
+
+def tell_broken(seat: Seat) -> None:
+    """Say in the job's store that ``seat``'s membership broke: every member's keep-alive then
+    breaks the waits on its groups (torch's own, DDP's, included) at its next beat."""
+    try:
+        _checked(seat).set(broken_key(seat.epoch), "shrink")
+    except DistCommError:
+        raise
+    except Exception as e:
+        raise _store_lost(seat) from e
+
+
+def successor(seat: Seat) -> tuple[Seat, bool]:
+    """The membership whose survivors the members of a broken one (``seat``'s) agree on, and
+    whether an admit made it: claimed for the shrink, unless an admit already claimed it as its
+    successor (some members got its decision, others failed it); then the admit's membership,
+    its newcomers told again (rank 0 may have told only some). Every member comes here before it
+    agrees (a shrink's, or a group that failed to form), so all agree on the same one."""
+    try:
+        claim = _checked(seat).compare_set(f"{seat.epoch}/successor", "", "shrink").decode()
+        if not claim.startswith("admit:"):
+            return seat, False
+        epoch = claim.partition(":")[2]
+        tell_newcomers(seat.job, epoch)
+        return admitted_seat(seat.job, epoch, seat.job_rank, seat.token, seat.where, hosted=seat.hosted), True
+    except DistCommError:
+        raise
+    except Exception as e:
+        raise _store_lost(seat) from e
+
+
+def warn_late_first_call(let_in_at: float) -> None:
+    """At a replacement's first call: warn where it came late. The members let it in when it waited
+    in ``from_env()``, and have waited in their first call with it (the state's hand-over) since."""
+    waited = time.monotonic() - let_in_at
+    if waited > LATE_FIRST_CALL_SECONDS:
+        warnings.warn(f"distcomm: this replacement's first call came {waited:.2f} s after the members let it in, "
+                      f"and every member waited for it that long; build the model and the optimizer before "
+                      f"from_env() (docs/elastic.md#the-whole-state-sync_state-and-check_identical)",
+                      RuntimeWarning, stacklevel=4)
+
+
+def job_pids(comm: _TorchCommunicator) -> dict[int, int]:
+    """The pids of ``comm``'s members on this machine, by job rank."""
+    members = comm.membership.job_ranks
+    return {members[r]: pid for r, pid in comm._peer_pids.items()}
+
+
+def reformed(seat: Seat, pids: dict[int, int], seconds: float) -> tuple[Seat, tuple[int, ...]]:
+    """The seat of the survivors of ``seat``'s membership (one that broke, or whose group failed to
+    form), and the job ranks lost."""
+    epoch, alive = agree_on_survivors(seat, seat.members, pids, seconds)
+    lost = tuple(r for r in seat.members if r not in alive)
+    admitted = tuple(r for r in seat.admitted if r in alive)
+    return dataclasses.replace(seat, epoch=epoch, members=alive, admitted=admitted), lost
+
+
+def admission(comm: _TorchCommunicator, seconds: float | None) -> Seat | None:
+    """``comm.admit()``'s agreement (a collective): the seat of the membership with the newcomers
+    in, or None when no one comes in. Rank 0 decides; every member gets its answer in one broadcast."""
+    seat = comm._seat
+    assert seat is not None
+    members = comm.membership.job_ranks
+    try:
+        decision = _decide(seat, members, job_pids(comm)) if comm.rank == 0 else None
+    except DistCommError:
+        raise
+    except Exception as e:
+        raise _store_lost(seat) from e
+    epoch, newcomers = comm._run(CallSpec(Op.ADMIT, 0, decision, seconds))[0]
+    if not newcomers:
+        return None
+    return dataclasses.replace(seat, epoch=epoch, members=tuple(sorted((*members, *newcomers))), admitted=newcomers)
+
+
+def _job_seat(comm: _TorchCommunicator, op: str) -> Seat:
+    """The seat a job's communicator met the others at; refused on a sub-communicator."""
+    seat = comm._seat
+    if seat is None:
+        raise CommunicatorStateError(
+            f"{op}() remakes a job's communicator (from_env, launch, spawn): this {type(comm).__name__} is a "
+            f"sub-communicator or over a group torch was given elsewhere; {op} the job's communicator, then "
+            f"split the new one again")
+    return seat
+
+
+def _bounded(seconds: float | None) -> float:
+    return 3600.0 * 24 if seconds is None else seconds

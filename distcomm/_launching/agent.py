@@ -1,0 +1,239 @@
+"""``python -m distcomm run``: one agent per machine that starts the machine's workers as torchrun
+does (its flags for the common cases, its variables), serves the job's store from the first
+machine's agent, and keeps the survivors when a worker is lost: it is started again as a
+replacement (``--replacements``) while the others go on (they ``shrink()``, then ``admit()`` it).
+
+A plain torch script runs under it unchanged: the workers see torchrun's variables, and torch's
+``env://`` rendezvous asks the agent's store (``TORCHELASTIC_USE_AGENT_STORE``). A worker that
+exits non-zero or crashes fails the job (the others are ended, as torchrun does); one killed
+(SIGKILL, SIGTERM) in a job that uses distcomm's rendezvous is lost, and the job goes on without
+it (``_fails_the_job``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+from typing import IO, Any
+
+from .launch import _end
+from .rank_output import log_name
+from .rendezvous import serve_store
+from .start import free_port
+from .supervise import JobStore, how_it_ended, saying, wait_elastic
+
+__all__ = ["Job", "run_job"]
+
+_GRACE = 2.0  # seconds the other workers get once one failed, before they are ended (as launch())
+_say = saying("distcomm run")
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """What ``python -m distcomm run`` was asked to run: the workers of this machine and the job."""
+
+    command: tuple[str, ...]  # the worker's command after the interpreter: a script or -m module, and its args
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0  # 0: a free one (one machine only)
+    replacements: int = 0
+    log_dir: str | None = None
+    prefix: bool = True
+    timeout: float = 600.0
+
+    @property
+    def world(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+    def problem(self) -> str:
+        """What is wrong with the job before anything starts ("" where nothing is)."""
+        for name in ("nproc_per_node", "nnodes"):
+            if getattr(self, name) < 1:
+                return f"--{name.replace('_', '-')} must be 1 or more"
+        if not 0 <= self.node_rank < self.nnodes:
+            return f"--node-rank {self.node_rank} is out of range for --nnodes {self.nnodes}"
+        if self.replacements < 0:
+            return "--replacements must be 0 or more"
+        if self.nnodes > 1 and self.master_port == 0:
+            return "a job of several machines needs --master-port (and --master-addr: the first machine's address)"
+        if not 0 <= self.master_port < 65536:
+            return f"--master-port {self.master_port} is not a port"
+        return ""
+
+
+class _Worker:
+    """One worker process, as ``_supervise`` and ``_launch._end`` watch one (``exitcode``, ``sentinel``,
+    ``pid``, ``is_alive``, ``terminate``, ``kill``, ``join``), with its output copied line by line."""
+
+    def __init__(self, job: Job, rank: int, attempt: int, env: dict[str, str], lock: threading.Lock) -> None:
+        log = None if job.log_dir is None else open(os.path.join(job.log_dir, log_name(rank, attempt)), "w",
+                                                    encoding="utf-8", errors="replace")
+        self._popen = subprocess.Popen([sys.executable, *job.command], env=env, stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, preexec_fn=_die_with_the_agent)
+        self.pid = self._popen.pid
+        self.sentinel = os.pidfd_open(self.pid)  # readable once the process ends: waited on with the others
+        tag = f"[rank{rank}]: " if job.prefix else ""
+        self.last_words = [""]  # its last line on stderr (a traceback's: what it raised)
+        self._copies = [threading.Thread(target=_copy, args=(pipe, out, tag, log, lock, last), daemon=True)
+                        for pipe, out, last in ((self._popen.stdout, sys.stdout, None),
+                                                (self._popen.stderr, sys.stderr, self.last_words))]
+        for t in self._copies:
+            t.start()
+        self._log = log
+
+    @property
+    def exitcode(self) -> int | None:
+        return self._popen.poll()
+
+    def is_alive(self) -> bool:
+        return self._popen.poll() is None
+
+    def terminate(self) -> None:
+        if self.is_alive():
+            self._popen.terminate()
+
+    def kill(self) -> None:
+        if self.is_alive():
+            self._popen.kill()
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self._popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def finish(self) -> None:
+        """After it ended: its output copied to the end, its log and its descriptor closed."""
+        for t in self._copies:
+            t.join(5.0)
+        if self._log is not None:
+            self._log.close()
+        os.close(self.sentinel)
+
+
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+
+
+def _die_with_the_agent() -> None:
+    """In the worker, before its program starts: the kernel kills it when the agent dies (killed
+    with SIGKILL, it leaves no orphan). Only a call prepared beforehand: the agent has threads."""
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _copy(pipe: IO[bytes] | None, out: IO[str], tag: str, log: IO[str] | None, lock: threading.Lock,
+          last: list[str] | None) -> None:
+    """The worker's lines to the agent's stream (each whole, prefixed, unless torch prefixed it
+    already) and to its log (as they are); the last one kept in ``last``."""
+    assert pipe is not None
+    for raw in iter(pipe.readline, b""):
+        line = raw.decode("utf-8", "replace")
+        if last is not None and line.strip():
+            last[0] = line.strip().removeprefix(tag.strip()).strip()
+        shown = line if line.startswith(tag) else tag + line
+        with lock:
+            out.write(shown if shown.endswith("\n") else f"{shown}\n")
+            out.flush()
+            if log is not None:
+                log.write(line)
+                log.flush()
+    pipe.close()
+
+
+def worker_env(job: Job, local_rank: int, run_id: str) -> dict[str, str]:
+    """The variables torchrun sets for a worker, so that a torch script (and ``from_env()``) runs as under it."""
+    rank = job.node_rank * job.nproc_per_node + local_rank
+    env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(job.world),
+           "LOCAL_WORLD_SIZE": str(job.nproc_per_node), "GROUP_RANK": str(job.node_rank),
+           "GROUP_WORLD_SIZE": str(job.nnodes), "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(job.world),
+           "ROLE_NAME": "default", "MASTER_ADDR": job.master_addr, "MASTER_PORT": str(job.master_port),
+           "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+           "TORCHELASTIC_USE_AGENT_STORE": "True", "PYTHONUNBUFFERED": "1"}
+    if job.nproc_per_node > 1:
+        env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: n processes sharing the cores
+    return env
+
+
+def run_job(job: Job) -> int:
+    """Run this machine's workers of ``job``; the exit status: 0 when the job finished (every worker
+    exited 0, but those lost while the others went on), else 1, the failure named."""
+    if job.master_port == 0:
+        job = dataclasses.replace(job, master_port=free_port())
+    if job.log_dir is not None:
+        os.makedirs(job.log_dir, exist_ok=True)
+    store = serve_store(f"tcp://{job.master_addr}:{job.master_port}", job.world, job.timeout) if job.node_rank == 0 \
+        else None
+    lock = threading.Lock()
+    first = job.node_rank * job.nproc_per_node
+    attempts = [0] * job.nproc_per_node
+    started: list[_Worker] = []
+
+    def start(local: int) -> _Worker:
+        worker = _Worker(job, first + local, attempts[local], worker_env(job, local, "none"), lock)
+        attempts[local] += 1
+        started.append(worker)
+        return worker
+
+    workers = [start(i) for i in range(job.nproc_per_node)]
+    previous = signal.signal(signal.SIGTERM, _as_interrupt)
+    try:
+        view = JobStore(store, f"tcp://{job.master_addr}:{job.master_port}")
+        failed = wait_elastic(workers, _GRACE, lambda i, code: _fails_the_job(code, view), first, job.replacements,
+                              start, view, _say)
+        if failed:
+            _end(workers)
+            _say(_failure_line(failed, workers, first))
+            return 1
+        lost = [w for w in started if (w.exitcode or 0) < 0]
+        if len(lost) == len(started):
+            _say("the job failed: every worker here was lost")
+            return 1
+        _say(f"the job finished: {job.nproc_per_node} worker(s) here" +
+             (f"; lost on the way: {', '.join(f'pid {w.pid} ({how_it_ended(w.exitcode or 0)})' for w in lost)}"
+              if lost else ""))
+        return 0
+    except KeyboardInterrupt as e:
+        _say("interrupted: ending the workers")
+        return 143 if isinstance(e, _Terminated) else 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        _end(started)
+        for w in started:
+            w.finish()
+        store = None
+
+
+def _fails_the_job(code: int, job: JobStore) -> bool:
+    """Whether a worker's end fails the job: it exited non-zero (it raised), it crashed (a signal
+    other than SIGKILL or SIGTERM: SIGSEGV, SIGABRT, ...), or it was killed in a job whose workers
+    don't use distcomm's membership (a plain torch script: its survivors could only wait for it).
+    Else it is lost, and the others go on."""
+    if code > 0 or (code < 0 and -code not in (signal.SIGKILL, signal.SIGTERM)):
+        return True
+    return code < 0 and not job.uses_membership()
+
+
+def _as_interrupt(signum: int, frame: Any) -> None:
+    raise _Terminated
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM to the agent: it ends the workers and exits 143, as a process ended by SIGTERM would say."""
+
+
+def _failure_line(failed: dict[int, tuple[int, float]], workers: Sequence[_Worker], first: int) -> str:
+    """The worker that failed first, and the others that did, in one line each."""
+    order = sorted(failed, key=lambda i: failed[i][1])
+    lines = [f"rank {first + i} (pid {workers[i].pid}) {how_it_ended(failed[i][0])}" for i in order]
+    said = workers[order[0]].last_words[0]  # (the others' are what they saw of it)
+    lines[0] += f": {said}" if said else ""
+    return "the job failed: " + lines[0] + "".join(f"\n  then rank {line.removeprefix('rank ')}" for line in lines[1:])
+

@@ -1,0 +1,173 @@
+"""How launch() watches the processes it started.
+
+By default a job ends with its first failure: the others get a moment to report what they saw,
+then are ended. An elastic job (``launch(..., elastic=True)``) outlives a lost rank: a process
+that dies without raising (killed, its machine's memory gone) is lost, not failed; the survivors
+go on (they ``shrink()``), and a lost rank is started again, up to ``replacements`` times in all,
+to wait until the members ``admit()`` it. A process that raises still fails the job.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing.connection
+import re
+import signal
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .._elastic.liveness import machine
+from .rendezvous import moving
+
+__all__ = ["JobStore", "how_it_ended", "saying", "wait_elastic", "wait_until_failure"]
+
+
+def wait_until_failure(processes: Sequence[Any], grace: float) -> dict[int, tuple[int, float]]:
+    """Wait until every process exited, or until ``grace`` seconds after the first failed (the others
+    then have time to report what they saw). Returns the failed ones: index -> (exit code, when)."""
+    failed: dict[int, tuple[int, float]] = {}
+    stop_at = None
+    while True:
+        codes = [p.exitcode for p in processes]  # read once: a process that exits between two reads
+        for i, code in enumerate(codes):          # would be neither failed nor running (the job "passed")
+            if i not in failed and code is not None and code != 0:
+                failed[i] = (code, time.time())
+        running = [p for p, code in zip(processes, codes, strict=True) if code is None]
+        now = time.monotonic()
+        if failed and stop_at is None:
+            stop_at = now + grace
+        if not running or (stop_at is not None and now >= stop_at):
+            return failed
+        _sleep_on(running, 1.0 if stop_at is None else min(1.0, max(stop_at - now, 0.01)))
+
+
+class JobStore:
+    """A launcher's look at the job's store, served by this process (``served``) or asked as a
+    client at ``url``: which of this machine's processes the members let in, whether members still
+    beat anywhere, whether the workers use distcomm's membership at all. Each answer is False or
+    empty where the store can't be read."""
+
+    def __init__(self, served: Any, url: str) -> None:
+        self._store, self._url = served, url
+
+    def admitted(self) -> set[int]:
+        """The pids of this machine's processes that the members let in (``admit``)."""
+        found = set()
+        for key in self._keys():
+            head, sep, rest = key.rpartition("/pid/")
+            if sep and self._store.check([f"{head}/admitted/{rest}"]):
+                where, _, pid = self._store.get(key).decode().rpartition(":")
+                if where == machine():
+                    found.add(int(pid))
+        return found
+
+    def beating(self) -> bool:
+        """Whether some member's keep-alive beat moves (the job goes on, here or on other machines)."""
+        keys = [k for k in self._keys() if re.search(r"/alive/\d+$", k)]
+        return bool(keys) and moving(self._store, keys)
+
+    def uses_membership(self) -> bool:
+        """Whether the workers met in distcomm's rendezvous (they can shrink past a lost one)."""
+        return any(k.startswith("distcomm/") for k in self._keys())
+
+    def _keys(self) -> list[str]:
+        if self._store is None:
+            host, _, port = self._url.removeprefix("tcp://").rpartition(":")
+            try:
+                self._store = torch._C._distributed_c10d.TCPStore(host, int(port), is_master=False,
+                                                                  timeout=datetime.timedelta(seconds=5))
+            except Exception:  # not reachable now: asked again next time
+                return []
+        try:
+            return list(self._store.list_keys())
+        except Exception:
+            return []
+
+
+def wait_elastic(processes: list[Any], grace: float, raised: Callable[[int, int], bool], first: int,
+                 replacements: int, start: Callable[[int], Any], job: JobStore,
+                 say: Callable[[str], None]) -> dict[int, tuple[int, float]]:
+    """Wait until every process exited, starting a lost one again (``start(index)``) while
+    ``replacements`` last; end the job as ``wait_until_failure`` does once a process raised
+    (``raised(index, exit code)``). A process started again that the members let in is one of
+    them; one still waiting is ended once no member beats in the job's store (``job``). Returns
+    the failed ones, as ``wait_until_failure`` does."""
+    left = replacements
+    started_again: set[int] = set()
+    while True:
+        seen = list(processes)
+        codes = [p.exitcode for p in seen]  # read once per look (see wait_until_failure)
+        for i, (p, code) in enumerate(zip(seen, codes, strict=True)):
+            if code is None or code == 0:
+                continue
+            if raised(i, code):  # the job fails
+                return wait_until_failure(processes, grace)
+            if left > 0:
+                left -= 1
+                processes[i] = start(i)
+                started_again.add(i)
+                say(f"rank {first + i} (pid {p.pid}) was lost ({how_it_ended(code)}); started again as pid "
+                    f"{processes[i].pid}, to be admitted")
+            else:
+                processes[i] = _Ended(p.pid)
+                say(f"rank {first + i} (pid {p.pid}) was lost ({how_it_ended(code)}); the others go on")
+        # running: as read at the top, and those started again just now
+        running = [i for i, p in enumerate(processes) if codes[i] is None or (p is not seen[i] and p.exitcode is None)]
+        if not running:
+            return {}
+        if all(i in started_again for i in running):
+            let_in = job.admitted()  # (one that the members let in is one of them: its end is waited for)
+            started_again -= {i for i in running if processes[i].pid in let_in}
+            if all(i in started_again for i in running) and not job.beating():
+                _end_unadmitted(processes, started_again, first, grace, say)  # the job ended before they came in
+                return {}
+        _sleep_on([processes[i] for i in running], 1.0)
+
+
+def _end_unadmitted(processes: Sequence[Any], started_again: set[int], first: int, grace: float,
+                    say: Callable[[str], None]) -> None:
+    """Processes started again after the members ended: they wait to be let into a job that is
+    over. Given ``grace`` seconds to end of their own, then ended."""
+    waiting = [(i, processes[i]) for i in sorted(started_again) if processes[i].exitcode is None]
+    _sleep_on([p for _, p in waiting], grace)
+    for i, p in waiting:
+        if p.exitcode is None:
+            p.terminate()
+            p.join(5.0)
+            say(f"rank {first + i} (pid {p.pid}), started again, was never admitted: the others had ended")
+
+
+class _Ended:
+    """A lost process, once it has been said so: counts as ended, and is not reported again."""
+
+    exitcode = 0
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def is_alive(self) -> bool:
+        return False
+
+
+def _sleep_on(running: Sequence[Any], seconds: float) -> None:
+    """In one-second slices at most, so that Ctrl-C (or SIGINT sent to this process alone) is seen at once."""
+    multiprocessing.connection.wait([p.sentinel for p in running], timeout=seconds)
+
+
+def how_it_ended(code: int) -> str:
+    """A process's exit code in words: ``killed by SIGKILL``, ``exited with code 1``."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def saying(who: str) -> Callable[[str], None]:
+    """Lines from the launcher ``who`` about its processes, on its standard error."""
+    return lambda line: print(f"{who}: {line}", file=sys.stderr, flush=True)

@@ -1,0 +1,294 @@
+"""Serializers: turn an object into segments (a pickle stream plus out-of-band buffers) and back.
+
+``PickleSerializer`` (the default) uses pickle protocol 5: numpy arrays and CPU tensors of at
+least ``oob_threshold`` bytes are not copied into the stream but travel as their own segments, sent
+from their own memory and received into buffers that become the result's memory. Objects plain
+pickle can't handle (lambdas, local classes) go through cloudpickle.
+
+``SafeSerializer`` loads with an allowlist: only builtin containers and scalars, numpy arrays and
+dtypes, torch tensors and dtypes, and classes the user registers. Anything else is refused by name
+before it is built, so a peer can't make this process run code.
+"""
+
+from __future__ import annotations
+
+import abc
+import copyreg
+import io
+import linecache
+import marshal
+import os
+import pickle
+import socket
+import types
+from collections import ChainMap
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import cloudpickle
+import torch
+
+from .._errors import SerializationError
+from . import safe as _safe
+from .tensor_pickle import reduce_tensor
+
+__all__ = ["PickleSerializer", "SafeSerializer", "Serializer", "default_serializer", "dumps_code"]
+
+DEFAULT_OOB_THRESHOLD = 64 * 1024
+
+_TABLE: dict[type, Callable[[Any], Any]] = {torch.Tensor: reduce_tensor}
+
+
+def _refuse(obj: Any) -> Any:
+    raise pickle.PicklingError(
+        f"can't send a {type(obj).__module__}.{type(obj).__qualname__} ({obj!r:.80}): open files, sockets and other "
+        f"resources of this process don't travel to other processes; send a path or the data instead")
+
+
+# Process resources that plain pickle refuses and cloudpickle would turn into something else on the
+# peers (an open file becomes a StringIO of its contents): refused by both, alike.
+_RESOURCES: dict[type, Callable[[Any], Any]] = {
+    t: _refuse for t in (io.TextIOWrapper, io.BufferedReader, io.BufferedWriter, io.BufferedRandom, io.FileIO,
+                         socket.socket)}
+
+_PICKLE_TABLE: Any = ChainMap(_TABLE, _RESOURCES, copyreg.dispatch_table)
+_CLOUDPICKLE_TABLE: Any = ChainMap(_TABLE, _RESOURCES, cloudpickle.Pickler.dispatch_table)
+
+
+# The C pickler reads dispatch_table when it is created, so it must be a class attribute.
+class _Pickler(pickle.Pickler):
+    dispatch_table = _PICKLE_TABLE
+
+
+class _CloudPickler(cloudpickle.Pickler):  # type: ignore[misc]
+    dispatch_table = _CLOUDPICKLE_TABLE
+
+
+# ------------------------------------------------------------------ the function payload of launch() and spawn()
+_SOURCE_LIMIT = 1 << 20  # source text shipped along for a file that isn't on disk (an IPython cell), at most
+
+
+def _load_code(data: bytes, filename: str, lines: list[str] | None) -> types.CodeType:
+    """The inverse of ``_reduce_code``: the code object, and its source for ``linecache`` when the
+    file it names can't be read here (tracebacks then show its lines, as they would locally)."""
+    code = marshal.loads(data)  # noqa: S302 - our own payload, from this process's parent
+    if lines is not None and filename not in linecache.cache and not os.path.exists(filename):
+        linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
+    return code  # type: ignore[no-any-return]
+
+
+def _reduce_code(code: types.CodeType) -> Any:
+    """A code object with its real ``co_filename`` (cloudpickle puts ``<dynamic-code>`` there).
+
+    marshal keeps every field, the nested code objects' too; its format belongs to this Python
+    version, which is fine for a payload only this machine's processes, started from the same
+    interpreter, load.
+    """
+    filename = code.co_filename
+    lines = None
+    if not os.path.exists(filename):
+        cached = linecache.getlines(filename)  # an IPython cell, or source that registered itself
+        if cached and sum(map(len, cached)) <= _SOURCE_LIMIT:
+            lines = list(cached)
+    return _load_code, (marshal.dumps(code), filename, lines)
+
+
+_SOURCE_TABLE: Any = ChainMap({types.CodeType: _reduce_code}, cloudpickle.Pickler.dispatch_table)
+
+
+class _SourcePickler(cloudpickle.Pickler):  # type: ignore[misc]
+    dispatch_table = _SOURCE_TABLE
+
+
+def dumps_code(obj: Any) -> bytes:
+    """``cloudpickle.dumps(obj)`` for launch()'s and spawn()'s functions: code pickled by value (a
+    function of the launching script) keeps its file name, so remote tracebacks show
+    ``File "train.py", line 5`` with the line's text, and call sites read ``train.py:140``, not
+    ``<dynamic-code>``. Load it with ``cloudpickle.loads`` (or ``pickle.loads``) in a process of
+    this machine started from the same interpreter."""
+    bio = io.BytesIO()
+    _SourcePickler(bio, protocol=cloudpickle.DEFAULT_PROTOCOL).dump(obj)
+    return bio.getvalue()
+
+
+class Serializer(abc.ABC):
+    """Turns one object into segments and back. Subclass it to plug in another format.
+
+    ``dumps`` returns a list of 1-D byte memoryviews: the first is the stream, the others are
+    buffers that travel out of band. ``loads`` receives the same segments (on another rank) and must
+    not keep references it does not need: the received buffers become the result's memory.
+    """
+
+    name: str = "custom"
+
+    @abc.abstractmethod
+    def dumps(self, obj: Any) -> list[memoryview]:
+        """Serialize obj. Raise any exception on failure (distcomm reports it on every rank)."""
+
+    @abc.abstractmethod
+    def loads(self, segments: Sequence[memoryview]) -> Any:
+        """Rebuild the object from segments produced by ``dumps`` on some rank."""
+
+
+def _dump_with(pickler_cls: type[pickle.Pickler], obj: Any, threshold: int) -> list[memoryview]:
+    buffers: list[memoryview] = []
+
+    def keep(pb: pickle.PickleBuffer) -> bool:
+        raw = pb.raw()
+        if raw.nbytes < threshold:
+            return True  # small: serialize in band, inside the stream
+        buffers.append(raw)
+        return False
+
+    bio = io.BytesIO()
+    pickler_cls(bio, protocol=5, buffer_callback=keep).dump(obj)
+    return [bio.getbuffer(), *buffers]
+
+
+class PickleSerializer(Serializer):
+    """Pickle protocol 5 with out-of-band buffers; cloudpickle for what plain pickle can't do.
+
+    Args:
+        oob_threshold: buffers (numpy arrays, CPU tensors) of at least this many bytes travel out
+            of band, without being copied into the stream.
+        cloudpickle_fallback: retry with cloudpickle when plain pickle fails (lambdas, closures,
+            classes defined inside functions).
+    """
+
+    name = "pickle"
+
+    def __init__(self, *, oob_threshold: int = DEFAULT_OOB_THRESHOLD, cloudpickle_fallback: bool = True) -> None:
+        if oob_threshold < 0:
+            raise ValueError(f"oob_threshold must be >= 0, got {oob_threshold}")
+        self.oob_threshold = oob_threshold
+        self.cloudpickle_fallback = cloudpickle_fallback
+
+    def dumps(self, obj: Any) -> list[memoryview]:
+        try:
+            return _dump_with(_Pickler, obj, self.oob_threshold)
+        except (pickle.PicklingError, AttributeError, TypeError):
+            if not self.cloudpickle_fallback:
+                raise
+        return _dump_with(_CloudPickler, obj, self.oob_threshold)
+
+    def loads(self, segments: Sequence[memoryview]) -> Any:
+        if not segments:
+            raise SerializationError("no stream segment to load")
+        return pickle.loads(segments[0], buffers=segments[1:])
+
+    def __repr__(self) -> str:
+        return f"PickleSerializer(oob_threshold={self.oob_threshold})"
+
+
+def _name_of(item: Any) -> tuple[str, str]:
+    if isinstance(item, str):
+        module, _, name = item.rpartition(".")
+        if not module:
+            raise ValueError(f"allow entry {item!r} must be 'module.Name'")
+        return module, name
+    mod = getattr(item, "__module__", None)
+    qualname = getattr(item, "__qualname__", None)
+    if not isinstance(mod, str) or not isinstance(qualname, str):
+        raise TypeError(f"allow entry {item!r} must be a class, a function or a 'module.Name' string")
+    return mod, qualname
+
+
+class SafeSerializer(PickleSerializer):
+    """A serializer whose ``loads`` can't run code: it builds only allowlisted types.
+
+    Allowed: builtin containers and scalars, a few stdlib value types (OrderedDict, deque, Counter,
+    datetime), numpy arrays, scalars and dtypes (plain data: no object fields, each dtype state
+    checked against the dtype numpy builds from its description), torch tensors, dtypes, Size and
+    device, plus what you pass in ``allow`` (classes, functions, or "module.Name" strings). A
+    refused global raises UnsafePayloadError naming it; nothing is built. Loads run on Python's own
+    unpickler (about 1 µs per opcode), whose memory use is bounded by the bytes received. ``dumps``
+    uses plain pickle (no cloudpickle: a peer's SafeSerializer would refuse code anyway).
+
+    Registered classes are rebuilt the ordinary pickle way (``__reduce__``/``__setstate__``), so
+    only register classes whose construction from untrusted state is harmless.
+    """
+
+    name = "safe"
+
+    def __init__(self, allow: Iterable[Any] = (), *, oob_threshold: int = DEFAULT_OOB_THRESHOLD) -> None:
+        super().__init__(oob_threshold=oob_threshold, cloudpickle_fallback=False)
+        self.allowed = frozenset(_name_of(a) for a in allow)
+
+    def loads(self, segments: Sequence[memoryview]) -> Any:
+        if not segments:
+            raise SerializationError("no stream segment to load")
+        return _safe.load(segments[0], segments[1:], self.allowed)
+
+    def __repr__(self) -> str:
+        names = sorted(f"{m}.{n}" for m, n in self.allowed)
+        return f"SafeSerializer(allow={names})"
+
+
+def failure_text(serializer: Serializer, obj: Any, error: Exception, name: str = "obj") -> str:
+    """``error`` as a message, with where in ``obj`` the first value ``serializer`` can't handle sits
+    (``obj['cfg'].loader[2]``). Found by serializing the parts again: error paths only."""
+    text = f"{type(error).__name__}: {error}"
+    budget = [2000]  # serializations at most, so that a huge object can't make the error path slow
+
+    def fails(value: Any) -> bool:  # with the same kind of error: a part that fails otherwise is not it
+        budget[0] -= 1
+        try:
+            serializer.dumps(value)
+        except Exception as e:
+            return type(e) is type(error)
+        return False
+
+    def parts(value: Any) -> list[tuple[str, Any]]:
+        if isinstance(value, dict):
+            return [(f"[{k!r}]", v) for k, v in value.items()] + [(f" (a key: {k!r:.40})", k) for k in value]
+        if isinstance(value, (list, tuple)):
+            return [(f"[{i}]", v) for i, v in enumerate(value)]
+        if isinstance(value, (set, frozenset)):
+            return [(f" (an element: {v!r:.40})", v) for v in value]
+        if isinstance(value, types.FunctionType):  # pickled by value: what its closure and globals hold
+            cells = zip(value.__code__.co_freevars, value.__closure__ or (), strict=False)
+            named = [(n, value.__globals__[n]) for n in value.__code__.co_names if n in value.__globals__]
+            return [(f" (captured {n!r})", _cell(c)) for n, c in cells] + [(f" (global {n!r})", v) for n, v in named]
+        try:  # what pickle takes of it: an object that refuses (a communicator) is itself the culprit
+            reduced = value.__reduce_ex__(5)
+        except Exception:
+            return []
+        state = reduced[2] if isinstance(reduced, tuple) and len(reduced) > 2 else None
+        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):  # (dict, slots)
+            state = {**(state[0] or {}), **state[1]}
+        args = reduced[1] if isinstance(reduced, tuple) and len(reduced) > 1 and isinstance(reduced[1], tuple) else ()
+        found = [(f" (argument {i})", a) for i, a in enumerate(args)]
+        if isinstance(state, dict):
+            found += [(f".{k}", v) for k, v in state.items()]
+        return found
+
+    path, value = name, obj
+    for _ in range(64):
+        for label, child in parts(value):
+            if budget[0] <= 0:
+                break
+            if fails(child):
+                path, value = path + label, child
+                break
+        else:
+            break
+    if path == name:
+        return text
+    return f"{text} (at {path}, a {type(value).__module__}.{type(value).__qualname__})"
+
+
+def _cell(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
+
+
+def default_serializer() -> Serializer:
+    """The serializer named by DISTCOMM_SERIALIZER ("pickle", the default, or "safe")."""
+    choice = os.environ.get("DISTCOMM_SERIALIZER", "pickle").strip().lower()
+    if choice in ("", "pickle"):
+        return PickleSerializer()
+    if choice == "safe":
+        return SafeSerializer()
+    raise ValueError(f"DISTCOMM_SERIALIZER={choice!r}: expected 'pickle' or 'safe'")
