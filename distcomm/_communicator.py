@@ -20,7 +20,6 @@ import operator
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager
 from typing import Any, Literal, ParamSpec, TypeVar, cast
 
 import numpy as np
@@ -28,21 +27,19 @@ import torch
 
 from ._agreement import where
 from ._calls import CallSpec, Op, OpStats
-from ._conveniences import main_process_first, print_main, shard
-from ._elastic.membership import Membership, warn_late_first_call
+from ._conveniences import ObjectConveniences
+from ._elastic.membership import ElasticMethods, warn_late_first_call
 from ._errors import CollectiveError, CommunicatorStateError
-from ._groups import dup, regroup_machines, split, sub_settings
+from ._groups import SubCommunicators, sub_settings
 from ._handles import Handle, Queues, refuse_close
-from ._one_at_a_time import COLLECTIVES, exclusive, user_site
+from ._one_at_a_time import COLLECTIVES, exclusive
 from ._ops import ReduceOpLike, object_op, tensor_op
-from ._ordering import gather_in_order
 from ._reductions import dict_op, reduce_dict, reduce_objects
-from ._state import check_identical, sync_state
 from ._tensors import (
     run_tensor_op,
 )
 from ._transfer.all_to_all import all_to_all, all_to_all_problem
-from ._transfer.messages import irecv, isend
+from ._transfer.messages import PointToPoint
 from ._transfer.pipeline import run
 from ._transfer.transport import TransportHooks
 from ._wire import frame as _frame
@@ -82,7 +79,7 @@ _OTHER_SPELLINGS = {
 """torch.distributed's and other libraries' names a user reaches for, and distcomm's spelling."""
 
 
-class Communicator(TransportHooks):
+class Communicator(ObjectConveniences, PointToPoint, SubCommunicators, ElasticMethods, TransportHooks):
     """Everything a job's processes say to each other, behind one object.
 
     Every collective must be called by every rank of the communicator, in the same order.
@@ -502,45 +499,6 @@ class Communicator(TransportHooks):
         self._run(CallSpec(op, root, None, self._op_timeout(timeout), problem=problem))
         raise AssertionError(f"{op.label}: a refused input passed the exchange")  # (the exchange raises)
 
-    def gather_in_order(self, results: Sequence[Any], *, size: int | None = None,
-                        sharding: Literal["contiguous", "interleaved"] = "contiguous", dst: int = 0,
-                        timeout: float | datetime.timedelta | None = None) -> list[Any] | None:
-        """Every rank's ``results`` (its shard of a dataset, in its shard's order) on ``dst`` as one
-        list in dataset order; None on the other ranks. The evaluation step after sharded inference.
-
-        ``sharding``: how the ranks' indices were drawn: "contiguous" (rank r one block of
-        consecutive indices, the blocks in rank order: detectron2's InferenceSampler) or
-        "interleaved" (rank r: r, r + world_size, ...: torch's DistributedSampler and mmengine's
-        DefaultSampler without shuffling). ``size``: the dataset's length; where given, the result
-        has exactly ``size`` entries, and the padding DistributedSampler adds with drop_last=False
-        (its first indices again, on the last ranks) is dropped. Results that are None keep their
-        place. Every rank must call it; counts of results that ``sharding`` of ``size`` can't give,
-        an unknown sharding or ranks that pass different ones raise the same error on every rank,
-        before the results move.
-        """
-        self._check_usable()
-        self._check_root("dst", dst)
-        return gather_in_order(self, results, size, sharding, int(dst), self._op_timeout(timeout))
-
-    def shard(self, size: int, *, sharding: Literal["contiguous", "interleaved"] = "contiguous") -> range:
-        """This rank's indices of a dataset of ``size`` items: "contiguous" (one block, the blocks in
-        rank order, sizes differing by at most one) or "interleaved" (``rank, rank + world_size, ...``).
-        Every index is on exactly one rank; ``gather_in_order`` with the same ``sharding`` and ``size``
-        brings the results back in dataset order. No communication."""
-        return shard(self, size, sharding)
-
-    def main_process_first(self, *, local: bool = False,
-                           timeout: float | datetime.timedelta | None = None) -> AbstractContextManager[None]:
-        """A block that runs on rank 0 first (``local``: on local rank 0 of each machine), then on
-        the other ranks: a download or a cache one process builds and the others read. If it raises
-        on the main process, the others raise ``CollectiveError`` naming it instead of running it.
-        Every rank must enter it; ``timeout``: how long the others wait for the main one's block."""
-        return main_process_first(self, local, timeout)
-
-    def print(self, *objects: Any, **kwargs: Any) -> None:
-        """``print`` on the main process (rank 0) only: one copy of a message, not one per rank."""
-        print_main(self, *objects, **kwargs)
-
     def shared_random_seed(self, *, timeout: float | datetime.timedelta | None = None) -> int:
         """An int in [0, 2**31) that is the same on every rank (drawn by rank 0 from numpy's RNG)."""
         self._check_usable()
@@ -564,30 +522,6 @@ class Communicator(TransportHooks):
                 raise self._world_of_one_error(Op.ALL_TO_ALL, problem)
             return [objs[0]]
         return all_to_all(self, objs, problem, t)
-
-    # ------------------------------------------------------------------ point-to-point objects
-    # Not collective: only the two ranks take part. Messages between a pair are matched by tag and
-    # arrive in the order they were sent (see _messages). A timeout or a lost peer breaks the
-    # communicator (the pair's connection is gone).
-    def send(self, obj: Any, dst: int, *, tag: int = 0, timeout: float | datetime.timedelta | None = None) -> None:
-        """Send ``obj`` to rank ``dst``, which receives it with ``recv(src, tag=tag)``; may wait until
-        ``dst`` takes it. ``tag``: an int in [0, 2**30). Large buffers travel out of band."""
-        isend(self, obj, dst, tag, timeout, user_site()).wait()
-
-    def recv(self, src: int, *, tag: int = 0, timeout: float | datetime.timedelta | None = None) -> Any:
-        """The next object rank ``src`` sends this rank with ``tag``. Refuses a message over
-        ``max_bytes`` before allocating it."""
-        return irecv(self, src, tag, timeout, user_site()).wait()
-
-    def isend(self, obj: Any, dst: int, *, tag: int = 0,
-              timeout: float | datetime.timedelta | None = None) -> Handle[None]:
-        """``send`` without waiting: a Handle (``obj`` is read when the message goes: keep it as it is
-        until ``wait()`` returns)."""
-        return isend(self, obj, dst, tag, timeout, user_site())
-
-    def irecv(self, src: int, *, tag: int = 0, timeout: float | datetime.timedelta | None = None) -> Handle[Any]:
-        """``recv`` without waiting: a Handle whose ``wait()`` returns the object."""
-        return irecv(self, src, tag, timeout, user_site())
 
     # ------------------------------------------------------------------ dict and object reductions
     def reduce_dict(
@@ -700,115 +634,7 @@ class Communicator(TransportHooks):
         """Reduce ``tensor`` (dim 0 of world_size x n) across ranks; rank r gets the r-th n-slice."""
         return run_tensor_op(self, Op.REDUCE_SCATTER_TENSOR, -1, tensor, tensor_op(op), check, timeout)
 
-    # ------------------------------------------------------------------ sub-communicators and machines
-    def split(self, color: int | None, key: int | None = None, *,
-              timeout: float | datetime.timedelta | None = None) -> Communicator | None:
-        """A communicator over the ranks that pass the same ``color`` (an int >= 0); None for None.
-
-        Collective: every rank calls it. The new ranks are ordered by ``key`` (default: this
-        rank), then by rank here, as MPI's split orders them, whatever the keys' order: the new
-        communicator's ``rank`` and every collective's rank numbering (results, roots, scatter's
-        parts, tensor rows) follow it. (Its torch ``group`` orders the same processes by global
-        rank, as torch does: where the keys don't, ``dist.get_rank(sub.group)`` is not
-        ``sub.rank``.) The new communicator is of this communicator's class and settings, over a
-        group created now; this communicator owns it and closes it (closing it earlier is fine).
-        """
-        if color is not None and (isinstance(color, bool) or not isinstance(color, int) or color < 0):
-            raise ValueError(f"color must be an int >= 0 or None, got {color!r}")
-        if key is not None and (isinstance(key, bool) or not isinstance(key, int)):
-            raise TypeError(f"key must be an int or None, got {type(key).__name__}")
-        self._check_usable()
-        return split(self, color, self.rank if key is None else key, None, self._op_timeout(timeout))
-
-    def dup(self, *, timeout: float | datetime.timedelta | None = None) -> Communicator:
-        """A communicator over the same ranks, numbered the same, whose collectives never meet this
-        one's (MPI's Comm_dup): process groups of its own, for a library or a background thread
-        (a metrics writer beside the training loop) to run collectives of its own, concurrently
-        with this communicator's.
-
-        Collective: every rank calls it. Of this communicator's class and settings; this
-        communicator owns it and closes it (closing it earlier is fine).
-        """
-        self._check_usable()
-        return dup(self, self._op_timeout(timeout))
-
-    def new_group(self, ranks: Sequence[int], *,
-                  timeout: float | datetime.timedelta | None = None) -> Communicator | None:
-        """A communicator over ``ranks`` (of this communicator), ordered by rank; None off them.
-
-        Collective: every rank of this communicator calls it with the same ranks.
-        """
-        members = _group_members(ranks, self.world_size)
-        self._check_usable()
-        return split(self, 0 if self.rank in members else None, self.rank, tuple(members), self._op_timeout(timeout))
-
-    def create_local_groups(self, num_workers_per_machine: int) -> None:
-        """Regroup ranks by machine as ``rank // num_workers_per_machine``, for processes started
-        without launch() or torchrun, where host names don't tell machines apart.
-
-        Collective: every rank must call it with the same number, which must divide world_size.
-        ``local_rank``, ``local_size`` and ``local_group`` then follow the new grouping.
-        """
-        n = num_workers_per_machine
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"num_workers_per_machine must be an int >= 1, got {n!r}")
-        if self.world_size % n:
-            raise ValueError(f"num_workers_per_machine={n} does not divide world_size {self.world_size}")
-        self._check_usable()
-        regroup_machines(self, n)
-
-    # ------------------------------------------------------------------ membership
-    @property
-    def membership(self) -> Membership:
-        """Who this communicator's ranks are in the job: each one's launcher rank (``job_ranks``),
-        and the job ranks the shrink that made it lost (``lost``) or the admit let in (``admitted``)."""
-        return Membership(tuple(range(self.world_size)))
-
-    def shrink(self, *, timeout: float | datetime.timedelta | None = None) -> Communicator:
-        """A new communicator of the ranks still alive, after a call failed because ranks were lost.
-
-        Every survivor calls it; they agree on who is gone, even if another rank dies meanwhile,
-        and are renumbered in their old order. A rank that is alive but slow is waited for until
-        the timeout. This communicator (and its sub-communicators) is closed: split the new one
-        again. A communicator that lost no one gives one of the same membership.
-
-        Raises:
-            PeerError: the job's store was lost with the rank that hosted it.
-            CommunicatorStateError: this rank was left out (it came after the others' timeout), or
-                this communicator is not a job's (a sub-communicator, an adopted group).
-        """
-        return self
-
-    def admit(self, *, timeout: float | datetime.timedelta | None = None) -> Communicator:
-        """A new communicator that includes the processes waiting to join the job (replacements
-        started with a lost rank's launcher variables); this one when no one waits.
-
-        Collective: every member calls it, at a point where all agree (a step boundary). Members
-        and newcomers are ordered by their launcher rank, so a replacement takes the place of the
-        rank it replaces. Hand the newcomers the state they need with the new communicator's
-        collectives (``broadcast``). This communicator is closed when someone came in.
-        """
-        self._check_usable()
-        return self
-
-    def sync_state(self, *objects: Any) -> None:
-        """Make every member's training state that of the first member that is not a newcomer:
-        after ``admit()`` (the newcomers need it) or ``shrink()`` (a failed step may be half applied).
-
-        ``objects``: what has ``state_dict()`` and ``load_state_dict()`` (a model, an optimizer, a
-        scheduler, a grad scaler) or dicts (updated in place), in the same order on every rank.
-        Members compare fingerprints first; only those whose state differs receive it, and only
-        the objects that differ: nothing but the fingerprints moves when all agree. Collective.
-        """
-        sync_state(self, objects)
-
-    def check_identical(self, *objects: Any) -> None:
-        """Raise CollectiveMismatchError on every rank when the members' states differ, naming the
-        ranks whose state differs from rank 0's and the first key that does. ``objects`` as for
-        ``sync_state``. It moves a fingerprint per object and rank (and the keys', once they
-        differ): cheap enough to run every few steps. Collective."""
-        check_identical(self, objects)
-
+    # ------------------------------------------------------------------ machines
     def _set_machines(self, machines: list[list[int]]) -> None:
         """Take ``machines`` (the ranks of each machine, in order) as the local grouping."""
         mine = next(m for m in machines if self.rank in m)
@@ -822,22 +648,6 @@ def _scatter_problem(objs: Any, src: int, world: int) -> str | None:
     if len(objs) != world:
         return f"scatter on src {src} got {len(objs)} objects for world_size {world}"
     return None
-
-
-def _group_members(ranks: Sequence[int], world: int) -> list[int]:
-    """new_group's ranks, checked and sorted."""
-    if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Sequence):
-        raise TypeError(f"ranks must be a sequence of ints, got {type(ranks).__name__}")
-    members = []
-    for r in ranks:
-        if isinstance(r, bool) or not isinstance(r, (int, np.integer)):
-            raise TypeError(f"ranks must be ints, got {type(r).__name__}")
-        if not 0 <= r < world:
-            raise ValueError(f"rank {r} is out of range for world_size {world}")
-        members.append(int(r))
-    if len(set(members)) != len(members) or not members:
-        raise ValueError(f"ranks must be distinct and not empty, got {list(ranks)}")
-    return sorted(members)
 
 
 for _name in COLLECTIVES:

@@ -4,16 +4,21 @@ same error instead of creating process groups that never meet."""
 
 from __future__ import annotations
 
+import datetime
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from ._agreement import odd_ones
 from ._calls import CallSpec, Op
 from ._errors import CollectiveMismatchError
+from ._transfer.transport import front_door
 
 if TYPE_CHECKING:
     from ._communicator import Communicator
 
-__all__ = ["dup", "regroup_machines", "split", "sub_settings"]
+__all__ = ["SubCommunicators", "dup", "regroup_machines", "split", "sub_settings"]
 
 
 def split(comm: Communicator, color: int | None, key: int, members: tuple[int, ...] | None,
@@ -77,3 +82,84 @@ def regroup_machines(comm: Communicator, n: int) -> None:
                                           op="create_local_groups", ranks=odd_ones(asked))
     comm._set_machines([list(range(m, m + n)) for m in range(0, comm.world_size, n)])
     comm._machines_declared = True
+
+
+class SubCommunicators:
+    """The front door's methods that make communicators over some of its ranks (``Communicator``
+    inherits them; ``self`` is always one)."""
+
+    def split(self, color: int | None, key: int | None = None, *,
+              timeout: float | datetime.timedelta | None = None) -> Communicator | None:
+        """A communicator over the ranks that pass the same ``color`` (an int >= 0); None for None.
+
+        Collective: every rank calls it. The new ranks are ordered by ``key`` (default: this
+        rank), then by rank here, as MPI's split orders them, whatever the keys' order: the new
+        communicator's ``rank`` and every collective's rank numbering (results, roots, scatter's
+        parts, tensor rows) follow it. (Its torch ``group`` orders the same processes by global
+        rank, as torch does: where the keys don't, ``dist.get_rank(sub.group)`` is not
+        ``sub.rank``.) The new communicator is of this communicator's class and settings, over a
+        group created now; this communicator owns it and closes it (closing it earlier is fine).
+        """
+        comm = front_door(self)
+        if color is not None and (isinstance(color, bool) or not isinstance(color, int) or color < 0):
+            raise ValueError(f"color must be an int >= 0 or None, got {color!r}")
+        if key is not None and (isinstance(key, bool) or not isinstance(key, int)):
+            raise TypeError(f"key must be an int or None, got {type(key).__name__}")
+        comm._check_usable()
+        return split(comm, color, comm.rank if key is None else key, None, comm._op_timeout(timeout))
+
+    def dup(self, *, timeout: float | datetime.timedelta | None = None) -> Communicator:
+        """A communicator over the same ranks, numbered the same, whose collectives never meet this
+        one's (MPI's Comm_dup): process groups of its own, for a library or a background thread
+        (a metrics writer beside the training loop) to run collectives of its own, concurrently
+        with this communicator's.
+
+        Collective: every rank calls it. Of this communicator's class and settings; this
+        communicator owns it and closes it (closing it earlier is fine).
+        """
+        comm = front_door(self)
+        comm._check_usable()
+        return dup(comm, comm._op_timeout(timeout))
+
+    def new_group(self, ranks: Sequence[int], *,
+                  timeout: float | datetime.timedelta | None = None) -> Communicator | None:
+        """A communicator over ``ranks`` (of this communicator), ordered by rank; None off them.
+
+        Collective: every rank of this communicator calls it with the same ranks.
+        """
+        comm = front_door(self)
+        members = _group_members(ranks, comm.world_size)
+        comm._check_usable()
+        return split(comm, 0 if comm.rank in members else None, comm.rank, tuple(members), comm._op_timeout(timeout))
+
+    def create_local_groups(self, num_workers_per_machine: int) -> None:
+        """Regroup ranks by machine as ``rank // num_workers_per_machine``, for processes started
+        without launch() or torchrun, where host names don't tell machines apart.
+
+        Collective: every rank must call it with the same number, which must divide world_size.
+        ``local_rank``, ``local_size`` and ``local_group`` then follow the new grouping.
+        """
+        comm = front_door(self)
+        n = num_workers_per_machine
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"num_workers_per_machine must be an int >= 1, got {n!r}")
+        if comm.world_size % n:
+            raise ValueError(f"num_workers_per_machine={n} does not divide world_size {comm.world_size}")
+        comm._check_usable()
+        regroup_machines(comm, n)
+
+
+def _group_members(ranks: Sequence[int], world: int) -> list[int]:
+    """new_group's ranks, checked and sorted."""
+    if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Sequence):
+        raise TypeError(f"ranks must be a sequence of ints, got {type(ranks).__name__}")
+    members = []
+    for r in ranks:
+        if isinstance(r, bool) or not isinstance(r, (int, np.integer)):
+            raise TypeError(f"ranks must be ints, got {type(r).__name__}")
+        if not 0 <= r < world:
+            raise ValueError(f"rank {r} is out of range for world_size {world}")
+        members.append(int(r))
+    if len(set(members)) != len(members) or not members:
+        raise ValueError(f"ranks must be distinct and not empty, got {list(ranks)}")
+    return sorted(members)

@@ -21,21 +21,19 @@ from ._agreement import check_settings, spans
 from ._calls import CallSpec, Op
 from ._communicator import DEFAULT_SLOT_BYTES, Communicator
 from ._defaults import clear_default
-from ._elastic import membership as _membership
 from ._elastic.deferred_free import DEFERRED
 from ._elastic.failure_report import fail
 from ._elastic.forming import connecting, forming_watched, native_store
 from ._elastic.liveness import process_id
-from ._elastic.membership import Membership
-from ._elastic.waits import SLICE, break_groups, interrupted, timedelta_of, wait
+from ._elastic.torch_membership import TorchMembership
+from ._elastic.waits import SLICE, interrupted, timedelta_of, wait
 from ._errors import (
     CollectiveError,
     CommunicatorStateError,
 )
-from ._handles import Queues
 from ._launching.launchers import detect
 from ._launching.rendezvous import Seat
-from ._launching.start import start_from, start_seat
+from ._launching.start import start_from
 from ._one_at_a_time import exclusive
 from ._transfer.gathered_reduce import gathered_reduce, gathered_traffic, takes_gathered
 from ._transfer.header_exchange import (
@@ -103,7 +101,7 @@ def _machine_key(machine: str | int | None) -> str:
     return f"node:{env.node_rank}" if env.node_rank is not None else f"host:{socket.gethostname()}"
 
 
-class _TorchCommunicator(Communicator):
+class _TorchCommunicator(TorchMembership, Communicator):
     """Shared plumbing of the torch.distributed communicators."""
 
     def __init__(
@@ -199,94 +197,6 @@ class _TorchCommunicator(Communicator):
     fail saying why the membership broke, not what the transport saw."""
     _lost: tuple[int, ...] = ()
     _admitted: tuple[int, ...] = ()
-
-    # ------------------------------------------------------------------ membership
-    @property
-    def membership(self) -> Membership:
-        job_ranks = tuple(self._ranks) if self._job_ranks is None else self._job_ranks
-        return Membership(job_ranks, self._lost, self._admitted)
-
-    def shrink(self, *, timeout: float | datetime.timedelta | None = None) -> Communicator:
-        if os.getpid() != self._pid:  # (a broken or closed one may shrink: that is what it is for)
-            self._check_usable()
-        settings = self._rebuild_settings()
-        pids = _membership.job_pids(self)
-        seat, lost = _membership.survivors(self, self._op_timeout(timeout), pids)
-        return self._succeeded_by(start_seat(type(self), seat, lost=lost, pids=pids, **settings))
-
-    def admit(self, *, timeout: float | datetime.timedelta | None = None) -> Communicator:
-        self._check_usable()
-        if self._seat is None:  # a sub-communicator: newcomers join the job's communicator, not this one
-            return self
-        seat = _membership.admission(self, self._op_timeout(timeout))
-        if seat is None:
-            return self
-        settings = self._rebuild_settings()
-        pids = _membership.job_pids(self)
-        self._retire_subs("admit")
-        self.close()
-        return self._succeeded_by(start_seat(type(self), seat, pids=pids, **settings))
-
-    def _succeeded_by(self, new: Communicator) -> Communicator:
-        self._successor = new  # use(self) follows it
-        new._launcher = self._launcher  # (the same processes, started by the same launcher)
-        return new
-
-    def _rebuild_settings(self) -> dict[str, Any]:
-        """What a communicator of a new membership takes over from this one."""
-        return {"timeout": self._timeout, "serializer": self.serializer, "max_bytes": self.max_bytes,
-                "slot_bytes": self.slot_bytes, "receive_cuda_on": self.receive_cuda_on}
-
-    def _held_groups(self) -> list[Any]:
-        """The torch groups this communicator uses (the default one where it owns it: DDP's, when
-        the user gave it none)."""
-        groups = [self._group, self._obj_group, self._local_group, self._block_group, self._leader_group,
-                  *self._owned]
-        if self._owns_default and dist.is_initialized():
-            groups.append(dist.distributed_c10d._get_default_group())
-        return list({id(g): g for g in groups if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER}.values())
-
-    def _break_waits(self, seconds: float | None = None) -> None:
-        """Fail every wait in this process on the groups of this communicator and those split from
-        it, torch's own included (``_waits.break_groups``): the membership broke (a member lost),
-        so none of them can end well. On a thread of its own: the breaking receive of a group that
-        connects lazily may first connect to a peer, for as long as the group's timeout where the
-        peer is gone. ``seconds``: how long the caller waits for it (None: not at all)."""
-        groups = self._groups_to_break()  # (now: once closed, the default group is the next membership's)
-        breaking = threading.Thread(target=break_groups, args=(groups,), name="distcomm-break", daemon=True)
-        breaking.start()
-        if seconds is not None:
-            breaking.join(seconds)
-
-    def _groups_to_break(self) -> list[Any]:
-        """The groups of this communicator and of those split from it, each marked as breaking."""
-        if self._closed:
-            return []
-        self._waits_broken = True
-        return self._held_groups() + [g for sub in list(self._subs) for g in sub._groups_to_break()]
-
-    def _abandon(self) -> None:
-        """Close over a failure: nothing waits for peers that may be gone (eager sends, pending calls).
-
-        Its groups and their pending work are held for the group's timeout (``_deferred_free``),
-        broken or not: a transport thread of theirs may still wait on a lost peer until then."""
-        DEFERRED.free_due()
-        with self._eager_lock:
-            held = [self._eager, self._held_groups(), self._queues]
-            self._eager = []
-        DEFERRED.hold(held, self._timeout)
-        self._queues = Queues()
-        self._children.clear()  # their groups go with the default group
-        self._retire_subs("shrink")
-        self.close()
-
-    def _retire_subs(self, by: str) -> None:
-        """Close the sub-communicators split from this one: their groups go with its default group."""
-        for sub in list(self._subs):
-            if not sub._closed:
-                sub._closed_why = f": the job's communicator it was split from was remade by {by}(); split the new one"
-                sub._abandon()
-        self._subs = weakref.WeakSet()
 
     # ------------------------------------------------------------------ set-up
     def _check_backend(self, backend: str) -> None:

@@ -13,6 +13,7 @@ is waited for until the timeout.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import time
 import warnings
 from collections.abc import Iterable
@@ -21,10 +22,13 @@ from typing import TYPE_CHECKING, Any
 from .._calls import CallSpec, Op
 from .._errors import CommunicatorStateError, DistCommError, PeerError
 from .._launching.rendezvous import Seat, admitted_key, admitted_seat, pid_key, ranks_in, refused_key, who_key
+from .._state import check_identical, sync_state
+from .._transfer.transport import front_door
 from .keepalive import broken_key, keep_alive
 from .liveness import HOSTS_LOST, alive, lost_by_silence
 
 if TYPE_CHECKING:
+    from .._communicator import Communicator
     from .._torch import _TorchCommunicator
 
 __all__ = ["Membership", "admission", "job_pids", "reformed", "shrink_begun", "successor", "survivors",
@@ -357,3 +361,65 @@ def _job_seat(comm: _TorchCommunicator, op: str) -> Seat:
 
 def _bounded(seconds: float | None) -> float:
     return 3600.0 * 24 if seconds is None else seconds
+
+
+class ElasticMethods:
+    """The front door's methods for a job that outlives its ranks; a communicator that is no job's
+    (a world of one, a double that loses no one) answers with itself (``Communicator`` inherits
+    them; ``self`` is always one; the torch transports replace ``membership``, ``shrink``, ``admit``)."""
+
+    @property
+    def membership(self) -> Membership:
+        """Who this communicator's ranks are in the job: each one's launcher rank (``job_ranks``),
+        and the job ranks the shrink that made it lost (``lost``) or the admit let in (``admitted``)."""
+        comm = front_door(self)
+        return Membership(tuple(range(comm.world_size)))
+
+    def shrink(self, *, timeout: float | datetime.timedelta | None = None) -> Communicator:
+        """A new communicator of the ranks still alive, after a call failed because ranks were lost.
+
+        Every survivor calls it; they agree on who is gone, even if another rank dies meanwhile,
+        and are renumbered in their old order. A rank that is alive but slow is waited for until
+        the timeout. This communicator (and its sub-communicators) is closed: split the new one
+        again. A communicator that lost no one gives one of the same membership.
+
+        Raises:
+            PeerError: the job's store was lost with the rank that hosted it.
+            CommunicatorStateError: this rank was left out (it came after the others' timeout), or
+                this communicator is not a job's (a sub-communicator, an adopted group).
+        """
+        comm = front_door(self)
+        return comm
+
+    def admit(self, *, timeout: float | datetime.timedelta | None = None) -> Communicator:
+        """A new communicator that includes the processes waiting to join the job (replacements
+        started with a lost rank's launcher variables); this one when no one waits.
+
+        Collective: every member calls it, at a point where all agree (a step boundary). Members
+        and newcomers are ordered by their launcher rank, so a replacement takes the place of the
+        rank it replaces. Hand the newcomers the state they need with the new communicator's
+        collectives (``broadcast``). This communicator is closed when someone came in.
+        """
+        comm = front_door(self)
+        comm._check_usable()
+        return comm
+
+    def sync_state(self, *objects: Any) -> None:
+        """Make every member's training state that of the first member that is not a newcomer:
+        after ``admit()`` (the newcomers need it) or ``shrink()`` (a failed step may be half applied).
+
+        ``objects``: what has ``state_dict()`` and ``load_state_dict()`` (a model, an optimizer, a
+        scheduler, a grad scaler) or dicts (updated in place), in the same order on every rank.
+        Members compare fingerprints first; only those whose state differs receive it, and only
+        the objects that differ: nothing but the fingerprints moves when all agree. Collective.
+        """
+        comm = front_door(self)
+        sync_state(comm, objects)
+
+    def check_identical(self, *objects: Any) -> None:
+        """Raise CollectiveMismatchError on every rank when the members' states differ, naming the
+        ranks whose state differs from rank 0's and the first key that does. ``objects`` as for
+        ``sync_state``. It moves a fingerprint per object and rank (and the keys', once they
+        differ): cheap enough to run every few steps. Collective."""
+        comm = front_door(self)
+        check_identical(comm, objects)

@@ -42,10 +42,12 @@ from .._errors import (
     transport_text,
 )
 from .._handles import Handle, as_caller
+from .._one_at_a_time import user_site
 from .._wire.memory import as_view, byte_tensor
 from .._wire.serialization import failure_text
 from .._wire.tensor_pickle import CUDA_TARGET
 from .routes.base import check_receivable
+from .transport import front_door
 
 if TYPE_CHECKING:
     from .._communicator import Communicator
@@ -333,3 +335,35 @@ def _peer_wait(comm: _TorchCommunicator, what: str, peer: int, timeout: float | 
     except Exception:  # noqa: S110 - the store may be gone with its host: the plain message will do
         pass
     return False, f"{needed} (it reported no wait on this rank)"
+
+
+class PointToPoint:
+    """The front door's point-to-point objects (``Communicator`` inherits them; ``self`` is always one).
+
+    Not collective: only the two ranks take part. Messages between a pair are matched by tag and
+    arrive in the order they were sent. A timeout or a lost peer breaks the communicator (the
+    pair's connection is gone)."""
+
+    def send(self, obj: Any, dst: int, *, tag: int = 0, timeout: float | datetime.timedelta | None = None) -> None:
+        """Send ``obj`` to rank ``dst``, which receives it with ``recv(src, tag=tag)``; may wait until
+        ``dst`` takes it. ``tag``: an int in [0, 2**30). Large buffers travel out of band."""
+        comm = front_door(self)
+        isend(comm, obj, dst, tag, timeout, user_site()).wait()
+
+    def recv(self, src: int, *, tag: int = 0, timeout: float | datetime.timedelta | None = None) -> Any:
+        """The next object rank ``src`` sends this rank with ``tag``. Refuses a message over
+        ``max_bytes`` before allocating it."""
+        comm = front_door(self)
+        return irecv(comm, src, tag, timeout, user_site()).wait()
+
+    def isend(self, obj: Any, dst: int, *, tag: int = 0,
+              timeout: float | datetime.timedelta | None = None) -> Handle[None]:
+        """``send`` without waiting: a Handle (``obj`` is read when the message goes: keep it as it is
+        until ``wait()`` returns)."""
+        comm = front_door(self)
+        return isend(comm, obj, dst, tag, timeout, user_site())
+
+    def irecv(self, src: int, *, tag: int = 0, timeout: float | datetime.timedelta | None = None) -> Handle[Any]:
+        """``recv`` without waiting: a Handle whose ``wait()`` returns the object."""
+        comm = front_door(self)
+        return irecv(comm, src, tag, timeout, user_site())

@@ -20,12 +20,13 @@ from .routes.broadcast import tree_send
 if TYPE_CHECKING:
     from .._communicator import Communicator
 
-__all__ = ["TransportHooks"]
+__all__ = ["TransportHooks", "front_door"]
 
 
-def _front(hooks: TransportHooks) -> Communicator:
-    """The communicator these hooks belong to (every TransportHooks is one), for the families' functions."""
-    return cast("Communicator", hooks)
+def front_door(part: object) -> Communicator:
+    """The communicator a part of the front door belongs to (``TransportHooks`` and the other classes
+    ``Communicator`` inherits from are only ever one), typed as such for the families' functions."""
+    return cast("Communicator", part)
 
 
 class TransportHooks(abc.ABC):
@@ -82,13 +83,13 @@ class TransportHooks(abc.ABC):
                          own: Sequence[bytearray] = ()) -> memoryview:
         """Every rank's slot of ``size`` bytes, in rank order, flat (``own``: see ``_exchange_slots``):
         Bruck's all-gather over point to point beyond small worlds (see ``_p2p.allgather_slots``)."""
-        return _p2p.allgather_slots(_front(self), slot, size, timeout, own)
+        return _p2p.allgather_slots(front_door(self), slot, size, timeout, own)
 
     def _allgather_small(self, slot: bytearray, size: int, timeout: float | None,
                          own: Sequence[bytearray] = ()) -> memoryview:
         """The small-world slot exchange (``own``: see ``_exchange_slots``); this default sends the
         slot to every peer point to point."""
-        return _p2p.allgather_small(_front(self), slot, size, timeout, own)
+        return _p2p.allgather_small(front_door(self), slot, size, timeout, own)
 
     def _alltoallv(
         self, send: torch.Tensor, send_counts: list[int], recv: torch.Tensor, recv_counts: list[int],
@@ -96,17 +97,17 @@ class TransportHooks(abc.ABC):
     ) -> None:
         """Send ``send_counts[r]`` bytes of ``send`` to each rank r and receive ``recv_counts[r]``
         bytes from each rank r into ``recv``, chunks in rank order. Every rank calls it."""
-        _p2p.alltoallv(_front(self), send, send_counts, recv, recv_counts, timeout)
+        _p2p.alltoallv(front_door(self), send, send_counts, recv, recv_counts, timeout)
 
     def _scatter_slots(self, root: int, subs: list[bytearray], size: int, timeout: float | None) -> torch.Tensor | None:
         """The root's ``subs[r]`` (``size`` bytes each) to each rank r; returns what this rank
         received (None on the root)."""
-        return _p2p.scatter_slots(_front(self), root, subs, size, timeout)
+        return _p2p.scatter_slots(front_door(self), root, subs, size, timeout)
 
     def _broadcast_buffer(self, buf: torch.Tensor, root: int, timeout: float | None) -> None:
         """Copy the root's ``buf`` into every rank's (every rank's is the same size). Here a binary
         tree of point-to-point messages; transports with a native broadcast use it instead."""
-        tree_send(_front(self), [buf], root, timeout)
+        tree_send(front_door(self), [buf], root, timeout)
 
     _agrees_by_reduction = False
     """Whether every collective starts with ``_agreement_sums`` (see ``_agreement``): for transports
@@ -154,7 +155,7 @@ class TransportHooks(abc.ABC):
 
     def _tensor_reduce(self, tensor: torch.Tensor, dst: int | None, op: str, timeout: float | None) -> None:
         """Reduce ``tensor`` in place onto ``dst`` (None: every rank); "mean" sums."""
-        reduce_by_gathering(_front(self), tensor, dst, op, timeout)
+        reduce_by_gathering(front_door(self), tensor, dst, op, timeout)
 
     def _reduce_traffic(self, tensor: torch.Tensor, dst: int | None, op: str) -> tuple[int, int]:
         """The bytes (sent, received) that ``_tensor_reduce`` of ``tensor`` with ``op`` moves on this
@@ -163,11 +164,11 @@ class TransportHooks(abc.ABC):
         return moved, moved
 
     def _tensor_broadcast(self, tensor: torch.Tensor, src: int, timeout: float | None) -> None:
-        broadcast_by_gathering(_front(self), tensor, src, timeout)
+        broadcast_by_gathering(front_door(self), tensor, src, timeout)
 
     def _tensor_all_gather(self, out: torch.Tensor, tensor: torch.Tensor, rows: list[int],
                            timeout: float | None) -> None:
-        all_gather_by_gathering(_front(self), out, tensor, rows, timeout)
+        all_gather_by_gathering(front_door(self), out, tensor, rows, timeout)
 
     def _tensor_reduce_scatter(self, out: torch.Tensor, tensor: torch.Tensor, op: str, timeout: float | None) -> None:
-        reduce_scatter_by_gathering(_front(self), out, tensor, op, timeout)
+        reduce_scatter_by_gathering(front_door(self), out, tensor, op, timeout)

@@ -1,0 +1,132 @@
+"""How a torch communicator leaves a broken membership and enters the next: ``shrink`` and ``admit``,
+breaking the waits on its groups (torch's own included), and letting go of the old groups
+(held for a timeout: ``deferred_free``)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any, cast
+
+import torch.distributed as dist
+
+from .._handles import Queues
+from .._launching.start import start_seat
+from . import membership as _membership
+from .deferred_free import DEFERRED
+from .membership import Membership
+from .waits import break_groups
+
+if TYPE_CHECKING:
+    from .._communicator import Communicator
+    from .._torch import _TorchCommunicator
+
+__all__ = ["TorchMembership"]
+
+
+def _torch_comm(part: object) -> _TorchCommunicator:
+    """The torch communicator this part of it belongs to (``_TorchCommunicator`` inherits the class below)."""
+    return cast("_TorchCommunicator", part)
+
+
+class TorchMembership:
+    """The membership methods of ``GlooCommunicator`` and ``NcclCommunicator`` (``self`` is always one)."""
+
+    @property
+    def membership(self) -> Membership:
+        comm = _torch_comm(self)
+        job_ranks = tuple(comm._ranks) if comm._job_ranks is None else comm._job_ranks
+        return Membership(job_ranks, comm._lost, comm._admitted)
+
+    def shrink(self, *, timeout: float | datetime.timedelta | None = None) -> Communicator:
+        comm = _torch_comm(self)
+        if os.getpid() != comm._pid:  # (a broken or closed one may shrink: that is what it is for)
+            comm._check_usable()
+        settings = comm._rebuild_settings()
+        pids = _membership.job_pids(comm)
+        seat, lost = _membership.survivors(comm, comm._op_timeout(timeout), pids)
+        return comm._succeeded_by(start_seat(type(comm), seat, lost=lost, pids=pids, **settings))
+
+    def admit(self, *, timeout: float | datetime.timedelta | None = None) -> Communicator:
+        comm = _torch_comm(self)
+        comm._check_usable()
+        if comm._seat is None:  # a sub-communicator: newcomers join the job's communicator, not this one
+            return comm
+        seat = _membership.admission(comm, comm._op_timeout(timeout))
+        if seat is None:
+            return comm
+        settings = comm._rebuild_settings()
+        pids = _membership.job_pids(comm)
+        comm._retire_subs("admit")
+        comm.close()
+        return comm._succeeded_by(start_seat(type(comm), seat, pids=pids, **settings))
+
+    def _succeeded_by(self, new: Communicator) -> Communicator:
+        comm = _torch_comm(self)
+        comm._successor = new  # use(comm) follows it
+        new._launcher = comm._launcher  # (the same processes, started by the same launcher)
+        return new
+
+    def _rebuild_settings(self) -> dict[str, Any]:
+        """What a communicator of a new membership takes over from this one."""
+        comm = _torch_comm(self)
+        return {"timeout": comm._timeout, "serializer": comm.serializer, "max_bytes": comm.max_bytes,
+                "slot_bytes": comm.slot_bytes, "receive_cuda_on": comm.receive_cuda_on}
+
+    def _held_groups(self) -> list[Any]:
+        """The torch groups this communicator uses (the default one where it owns it: DDP's, when
+        the user gave it none)."""
+        comm = _torch_comm(self)
+        groups = [comm._group, comm._obj_group, comm._local_group, comm._block_group, comm._leader_group,
+                  *comm._owned]
+        if comm._owns_default and dist.is_initialized():
+            groups.append(dist.distributed_c10d._get_default_group())
+        return list({id(g): g for g in groups if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER}.values())
+
+    def _break_waits(self, seconds: float | None = None) -> None:
+        """Fail every wait in this process on the groups of this communicator and those split from
+        it, torch's own included (``_waits.break_groups``): the membership broke (a member lost),
+        so none of them can end well. On a thread of its own: the breaking receive of a group that
+        connects lazily may first connect to a peer, for as long as the group's timeout where the
+        peer is gone. ``seconds``: how long the caller waits for it (None: not at all)."""
+        comm = _torch_comm(self)
+        groups = comm._groups_to_break()  # (now: once closed, the default group is the next membership's)
+        breaking = threading.Thread(target=break_groups, args=(groups,), name="distcomm-break", daemon=True)
+        breaking.start()
+        if seconds is not None:
+            breaking.join(seconds)
+
+    def _groups_to_break(self) -> list[Any]:
+        """The groups of this communicator and of those split from it, each marked as breaking."""
+        comm = _torch_comm(self)
+        if comm._closed:
+            return []
+        comm._waits_broken = True
+        return comm._held_groups() + [g for sub in list(comm._subs) for g in sub._groups_to_break()]
+
+    def _abandon(self) -> None:
+        """Close over a failure: nothing waits for peers that may be gone (eager sends, pending calls).
+
+        Its groups and their pending work are held for the group's timeout (``_deferred_free``),
+        broken or not: a transport thread of theirs may still wait on a lost peer until then."""
+        comm = _torch_comm(self)
+        DEFERRED.free_due()
+        with comm._eager_lock:
+            held = [comm._eager, comm._held_groups(), comm._queues]
+            comm._eager = []
+        DEFERRED.hold(held, comm._timeout)
+        comm._queues = Queues()
+        comm._children.clear()  # their groups go with the default group
+        comm._retire_subs("shrink")
+        comm.close()
+
+    def _retire_subs(self, by: str) -> None:
+        """Close the sub-communicators split from this one: their groups go with its default group."""
+        comm = _torch_comm(self)
+        for sub in list(comm._subs):
+            if not sub._closed:
+                sub._closed_why = f": the job's communicator it was split from was remade by {by}(); split the new one"
+                sub._abandon()
+        comm._subs = weakref.WeakSet()
