@@ -82,6 +82,8 @@ class CallSpec:
         slot_size: the first exchange's slot size (default: the communicator's).
         inline: with ``serialize=False``, 8 bytes every rank carries in its slot; the call then
             returns every rank's 8 bytes as an int.
+        carries: ``inline`` is a payload of any length that fits the slot (a small tensor's bytes);
+            the call then returns every rank's payload, one uint8 row per rank.
         stat: count this call under that op (an error-path exchange of another collective).
     """
 
@@ -94,12 +96,13 @@ class CallSpec:
     on_digest_mismatch: Callable[[], None] | None = None
     slot_size: int | None = None
     inline: bytes | None = None
+    carries = False
     stat: Op | None = None
 
     def __init__(self, op: Op, root: int, obj: Any, timeout: float | None, *, serialize: bool = True,
                  digest: int = 0, problem: str | None = None, status: int = _frame.INVALID,
                  on_digest_mismatch: Callable[[], None] | None = None, slot_size: int | None = None,
-                 inline: bytes | None = None, stat: Op | None = None) -> None:
+                 inline: bytes | None = None, carries: bool = False, stat: Op | None = None) -> None:
         self.op, self.root, self.obj, self.timeout = op, root, obj, timeout
         if not serialize:  # (only what differs from the class's defaults is set)
             self.serialize = False
@@ -113,6 +116,8 @@ class CallSpec:
             self.slot_size = slot_size
         if inline is not None:
             self.inline = inline
+        if carries:
+            self.carries = True
         if stat is not None:
             self.stat = stat
 

@@ -59,6 +59,16 @@ def tensor_problem(tensor: Any, op: str | None) -> str | None:
     return None
 
 
+def folds_as_ring(dtype: torch.dtype, op: str | None) -> bool:
+    """Whether a fold in rank order (``fold_tensors``) gives what gloo's ring reduction gives, but for
+    a float sum's last bits (its additions in another order, the same on every rank). Not half
+    precision (the ring rounds to it at each addition; a fold adds in float32 and rounds once), and
+    not a max or min of floats: with a NaN among the values, the ring returns NaN or a value that
+    depends on which rank holds the NaN (the largest of the ranks before it, say), which no fold
+    reproduces."""
+    return dtype not in (torch.float16, torch.bfloat16) and not (op in ("max", "min") and dtype.is_floating_point)
+
+
 def fold_tensors(values: Sequence[torch.Tensor], op: str) -> torch.Tensor:
     """Reduce equal-shaped tensors in rank order (``mean`` sums: the caller divides)."""
     stacked = torch.stack(list(values))

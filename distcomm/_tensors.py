@@ -16,7 +16,8 @@ import torch
 from ._agreement import digest_of, odd_ones
 from ._calls import CallSpec, Op, OpStats
 from ._errors import CollectiveError, CollectiveMismatchError, CommunicatorStateError
-from ._ops import fold_tensors, tensor_problem
+from ._ops import fold_tensors, folds_as_ring, tensor_problem
+from ._wire import frame as _frame
 from ._wire.frame import I64
 from ._wire.memory import materialized
 
@@ -110,6 +111,9 @@ def run_tensor_op(comm: Communicator, op: Op, root: int, tensor: torch.Tensor, r
         return x.clone() if gathering or op is Op.REDUCE_SCATTER_TENSOR else tensor
     st = comm._stat(op)
     t0 = time.perf_counter()
+    carried = carried_bytes(comm, op, tensor, reduce_op) if check and problem is None else None
+    if carried is not None:
+        return _carried(comm, op, root, tensor, reduce_op, carried, t, st, t0)
     if check:
         counts = _check(comm, op, root, tensor, reduce_op, problem, t)
     else:
@@ -178,6 +182,50 @@ def _gathered(comm: Communicator, x: torch.Tensor, rows: list[int], timeout: flo
     out = x.new_empty((sum(rows), *x.shape[1:]))
     comm._tensor_all_gather(out, materialized(x), rows, timeout)
     return out
+
+
+CARRY_BYTES = 1024
+"""A checked all_reduce or broadcast_tensor of at most this many bytes, in a world whose slots are
+exchanged whole (``_frame.SMALL_WORLD``), rides in its own check: every rank's tensor in its slot,
+each rank folding them; one exchange instead of two."""
+
+_CARRIED_OPS = frozenset({Op.ALL_REDUCE, Op.BROADCAST_TENSOR})
+_CARRIED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
+                             torch.int32, torch.int64})
+
+
+def carried_bytes(comm: Communicator, op: Op, tensor: torch.Tensor, reduce_op: str | None) -> bytes | None:
+    """This rank's tensor as the bytes its check carries, where the call can ride in it (None: it
+    can't). Ranks whose tensors match take the same way; where they don't, the check fails on every
+    rank, whichever way each took. A fold in rank order gives what gloo's ring gives (``folds_as_ring``)."""
+    if (op not in _CARRIED_OPS or comm.world_size > _frame.SMALL_WORLD or comm._agrees_by_reduction
+            or tensor.dtype not in _CARRIED_DTYPES or tensor.device.type != "cpu" or tensor.requires_grad
+            or not tensor.is_contiguous() or tensor.is_neg()
+            or (op is Op.ALL_REDUCE and not folds_as_ring(tensor.dtype, reduce_op))
+            or not 0 < tensor.numel() * tensor.element_size() <= min(CARRY_BYTES, _frame.carry_room(comm._slot_size))):
+        return None
+    return tensor.view(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _carried(comm: Communicator, op: Op, root: int, tensor: torch.Tensor, reduce_op: str | None, carried: bytes,
+             timeout: float | None, st: OpStats, t0: float) -> torch.Tensor:
+    """The call inside its check: every rank's bytes come back with the slots; fold (or take the root's)."""
+    digest, _ = tensor_fields(op, tensor, reduce_op, None)
+    flat = tensor.view(-1)
+    rows = comm._run(CallSpec(op, root, tensor, timeout, serialize=False, digest=digest, carries=True, inline=carried,
+                              on_digest_mismatch=lambda: _mismatch(comm, op, tensor, reduce_op, timeout)))
+    t1 = time.perf_counter()
+    values = [torch.from_numpy(row).view(tensor.dtype) for row in rows]
+    if op is Op.BROADCAST_TENSOR:
+        flat.copy_(values[root])
+    else:
+        assert reduce_op is not None
+        flat.copy_(fold_tensors(values, reduce_op))
+        if reduce_op == "mean":
+            flat.div_(comm.world_size)
+    st.serialize_s += t1 - t0
+    st.transfer_s += time.perf_counter() - t1
+    return tensor
 
 
 def _check(comm: Communicator, op: Op, root: int, tensor: torch.Tensor, reduce_op: str | None, problem: str | None,

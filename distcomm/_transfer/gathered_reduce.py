@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .._ops import fold_tensors
+from .._ops import fold_tensors, folds_as_ring
 from .._wire import frame as _frame
 from .header_exchange import FLAT_WORLD, binomial_children
 
@@ -33,20 +33,11 @@ GATHERED_REDUCE_BYTES = 8 << 10
 """Reductions of up to this many bytes per rank (a thousand float64 values) go through the root."""
 
 
-_HALF = (torch.float16, torch.bfloat16)
-_EXTREMES = ("max", "min")
-
-
 def takes_gathered(comm: _TorchCommunicator, tensor: torch.Tensor, op: str) -> bool:
-    """Whether ``gathered_reduce`` reduces ``tensor`` with ``op`` in this world.
-
-    Not a max or min of floats: with a NaN among the values, gloo's ring returns NaN or a value that
-    depends on which rank holds the NaN (the largest of the ranks before it, say), which no fold on
-    the root reproduces; they stay in the ring, so a result is torch's at every world size."""
+    """Whether ``gathered_reduce`` reduces ``tensor`` with ``op`` in this world: where a fold on the
+    root gives what the ring gives (``folds_as_ring``), so that a result is torch's at every world size."""
     return (_frame.SMALL_WORLD < comm._world <= FLAT_WORLD and tensor.is_cpu and tensor.is_contiguous()
-            and tensor.dtype not in _HALF and tensor.numel() * tensor.element_size() <= GATHERED_REDUCE_BYTES
-            and not (op in _EXTREMES and tensor.dtype.is_floating_point))
-
+            and folds_as_ring(tensor.dtype, op) and tensor.numel() * tensor.element_size() <= GATHERED_REDUCE_BYTES)
 
 
 def gathered_reduce(comm: _TorchCommunicator, tensor: torch.Tensor, dst: int | None, op: str,

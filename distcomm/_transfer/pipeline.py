@@ -34,7 +34,8 @@ _SETUP = Op.SETUP
 def run(comm: Communicator, spec: CallSpec) -> list[Any]:
     """Run one collective; returns a list indexed by rank (entries this rank did not get: None).
 
-    With ``spec.inline``, every rank's 8 bytes as ints; with ``serialize=False`` otherwise, [].
+    With ``spec.inline``, every rank's 8 bytes as ints (with ``spec.carries``, every rank's payload
+    as a row of bytes); with ``serialize=False`` otherwise, [].
     """
     comm._call = spec
     try:
@@ -92,6 +93,8 @@ def _run(comm: Communicator, spec: CallSpec) -> list[Any]:
         _disagreement(comm, spec, seq, out.message, raw, slots, size, cap)
     if not spec.serialize:
         st.transfer_s += time.perf_counter() - t1
+        if spec.carries and spec.inline is not None:
+            return list(_frame.inline_payloads(raw, comm.world_size, size, len(spec.inline)))
         return [] if spec.inline is None else list(_frame.inline_words(raw, comm.world_size, size).tolist())
 
     try:

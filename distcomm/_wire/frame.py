@@ -473,6 +473,35 @@ def inline_words(raw: memoryview | bytes | bytearray, count: int, slot_size: int
     return words
 
 
+def carry_room(slot_size: int) -> int:
+    """The most bytes a slot carries inline as its only segment (``inline_payloads``)."""
+    return slot_size - _WORD_OFFSET
+
+
+def inline_payloads(raw: memoryview | bytes | bytearray, count: int, slot_size: int,
+                    nbytes: int) -> np.ndarray[Any, Any]:
+    """The ``nbytes`` inline bytes each of ``count`` slots carries as its only segment: a (count,
+    nbytes) uint8 array, a copy (the slots are the transport's, reused by the next call).
+
+    For slots already checked by ``headers``. Raises FrameError naming the first slot that doesn't
+    hold exactly one inline segment of ``nbytes`` bytes."""
+    if not 0 < nbytes <= carry_room(slot_size):
+        raise FrameError(f"{nbytes} bytes don't fit inline in a slot of {slot_size}")
+    arr = np.frombuffer(raw, dtype=_payload_dtype(slot_size, nbytes), count=count)
+    bad = (arr["nparts"] != 1) | (arr["nsegs"] != 1) | (arr["total"] != nbytes) | (arr["entry"] != -(nbytes + 1))
+    if bad.any():
+        raise FrameError(f"slot {int(np.flatnonzero(bad)[0])} doesn't carry one {nbytes}-byte payload")
+    rows: np.ndarray[Any, Any] = arr["data"].copy()
+    return rows
+
+
+@functools.lru_cache(maxsize=64)
+def _payload_dtype(slot_size: int, nbytes: int) -> np.dtype[Any]:
+    return np.dtype({"names": ["nparts", "nsegs", "total", "entry", "data"],
+                     "formats": ["<u4", "<u4", "<i8", "<i8", ("u1", (nbytes,))],
+                     "offsets": [20, 24, 36, HEADER_SIZE + 4, _WORD_OFFSET], "itemsize": slot_size})
+
+
 class Slots:
     """The slots of one exchange, decoded on first use: a rank decodes only the slots it reads."""
 

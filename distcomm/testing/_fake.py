@@ -26,7 +26,7 @@ from .._reductions import (
     reduce_digest,
     work_tensor,
 )
-from .._tensors import tensor_fields, tensor_input_problem
+from .._tensors import carried_bytes, tensor_fields, tensor_input_problem
 from .._transfer.all_to_all import all_to_all_problem
 from .._transfer.messages import encode, parse
 from .._transfer.routes import BROADCAST, GATHER, ROUTES, SCATTER, build_slot, over_max_bytes
@@ -201,14 +201,16 @@ class FakeCommunicator(Communicator):
         return _frame.encode(spec.op, self._seq, spec.root, spec.digest, count, size)
 
     def _tensor_slot(self, spec: CallSpec, r: int, size: int) -> bytearray:
-        """A tensor collective's check: the peer's tensor's digest and 8 bytes."""
+        """A tensor collective's check: the peer's tensor's digest and 8 bytes (or its bytes, where the
+    call rides in its check)."""
         reduce_op = self._user_reduce_op()
         theirs = self._peer_tensor(r, spec.obj)
         problem = tensor_input_problem(self, spec.op, theirs, reduce_op)
         if problem is not None:
             return self._status_slot(r, _frame.INVALID, problem, size)
         digest, word = tensor_fields(spec.op, theirs, reduce_op, None)
-        return _frame.encode(spec.op, self._seq, spec.root, digest, [[memoryview(word)]], size)
+        carried = carried_bytes(self, spec.op, theirs, reduce_op)  # (that rank decides from its own tensor)
+        return _frame.encode(spec.op, self._seq, spec.root, digest, [[memoryview(carried or word)]], size)
 
     def _all_to_all_slot(self, spec: CallSpec, r: int, size: int) -> bytearray:
         """Peer r's all_to_all: its slot, then its part's size and its part for the rank under test."""

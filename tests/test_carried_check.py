@@ -1,0 +1,95 @@
+"""A small checked all_reduce or broadcast_tensor rides in its own check (worlds of up to 4 ranks):
+every rank's tensor in its slot, one exchange instead of the check's and the native collective's.
+Results as torch's on the same group, the same errors for tensors that differ (a small one beside a
+large one included), and the communicator usable after them; over gloo processes and the threads."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import distcomm
+from distcomm.testing import run_threaded, spawn
+
+from ._helpers import count_exchanges
+
+_TORCH_OP = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "max": dist.ReduceOp.MAX,
+             "min": dist.ReduceOp.MIN}
+
+
+def _count_native(comm: distcomm.Communicator) -> list[int]:
+    calls, inner = [0], comm._tensor_reduce
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return inner(*args, **kwargs)
+
+    comm._tensor_reduce = counted  # type: ignore[method-assign]
+    return calls
+
+
+def _against_torch(comm: distcomm.Communicator) -> dict[str, Any]:
+    exchanges, native = count_exchanges(comm), _count_native(comm)
+    differ = []
+    for dtype in (torch.float32, torch.float64, torch.int64, torch.int32, torch.uint8):
+        for op in ("sum", "prod", "max", "min"):
+            if dtype.is_floating_point and op in ("max", "min"):
+                continue  # (these stay in the ring: see folds_as_ring)
+            t = (torch.arange(5) % 3 + comm.rank + 1).to(dtype)
+            ours, theirs = t.clone(), t.clone()
+            comm.all_reduce(ours, op=op)
+            dist.all_reduce(theirs, op=_TORCH_OP[op], group=comm.group)
+            if not torch.allclose(ours.double(), theirs.double(), rtol=1e-6):
+                differ.append(f"{dtype} {op}: {ours.tolist()} != {theirs.tolist()}")
+    mean = torch.full((3,), float(comm.rank))
+    comm.all_reduce(mean, op="mean")
+    src = torch.arange(4.0) + comm.rank
+    comm.broadcast_tensor(src, src=comm.world_size - 1)
+    small = (exchanges[0], native[0])
+    comm.all_reduce(torch.ones(2000))  # 8 KB: over what a slot carries, the check and the native collective
+    return {"differ": differ, "mean": mean.tolist(), "src": src.tolist(), "small": small,
+            "large": (exchanges[0] - small[0], native[0] - small[1])}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_small_checked_calls_ride_in_the_check_with_torchs_results(world: int) -> None:
+    expected_mean = [sum(range(world)) / world] * 3
+    for r, got in enumerate(spawn(_against_torch, world, timeout=120)):
+        assert got["differ"] == [], (r, got["differ"][:3])
+        assert got["mean"] == expected_mean and got["src"] == [world - 1.0 + i for i in range(4)], got
+        assert got["small"] == (16 + 2, 0), got  # one exchange per call, no native all_reduce
+        assert got["large"] == (1, 1), got
+
+
+def _small_beside_large(comm: distcomm.Communicator) -> tuple[str, list[float]]:
+    t = torch.ones(4) if comm.rank == 0 else torch.ones(1000)  # rank 0 would carry, rank 1 would not
+    try:
+        comm.all_reduce(t)
+        said = "no error"
+    except distcomm.CollectiveMismatchError as e:
+        said = str(e)
+    after = torch.ones(3)
+    comm.all_reduce(after)  # still usable: the mismatch was found before anything moved
+    return said, after.tolist()
+
+
+@pytest.mark.parametrize("run", ["gloo", "threads"])
+def test_a_small_tensor_beside_a_large_one_is_the_same_error_on_every_rank(run: str) -> None:
+    outs = spawn(_small_beside_large, 2, timeout=120) if run == "gloo" else run_threaded(_small_beside_large, 2)
+    for said, after in outs:
+        assert "all_reduce: the ranks' tensors differ" in said, said
+        assert "rank 0: torch.float32 (4,)" in said and "rank 1: torch.float32 (1000,)" in said, said
+        assert after == [2.0, 2.0, 2.0]
+    assert outs[0][0] == outs[1][0]
+
+
+def test_the_threaded_world_carries_as_gloo_does() -> None:
+    def call(comm: distcomm.Communicator) -> tuple[int, list[float]]:
+        exchanges, t = count_exchanges(comm), torch.full((2,), float(comm.rank))
+        comm.all_reduce(t)
+        return exchanges[0], t.tolist()
+
+    assert run_threaded(call, 3) == [(1, [3.0, 3.0])] * 3
