@@ -615,7 +615,7 @@ def test_the_elastic_example_outlives_a_killed_rank_and_admits_its_replacement()
                           "--kill-step", "3"], env=env, capture_output=True, text=True, timeout=WAIT * 2)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "rank 1 (pid" in out.stderr and "was lost (killed by SIGKILL); started again" in out.stderr, out.stderr
-    assert "shrunk to GlooCommunicator(rank=0, world_size=3, open, lost=[1])" in out.stdout, out.stdout
+    assert "shrunk to GlooCommunicator(rank=0, world_size=3, open, launcher=launch, lost=[1])" in out.stdout, out.stdout
     done = next(line for line in out.stdout.splitlines() if line.startswith("done: "))
     assert "admitted=[1]" in done and "the same on every rank: True" in done, done
     checked = json.loads(done.rpartition("per rank: ")[2])  # (a check every 5 steps, Adam's state included)
