@@ -41,7 +41,7 @@ demo: $(RUNTIME)  ## the example training and evaluation jobs on 2 CPU processes
 test: $(STAMP)  ## the suite but its slow tests and the launcher tier, two test processes at once (4-7 minutes on 2 cores)
 	$(BIN)/python -m pytest -q -n 2
 
-test-slow: $(STAMP)  ## only the slow tests: large worlds, timeouts, launch, torchrun, README blocks, the kill campaign (about 40 minutes)
+test-slow: $(STAMP)  ## only the slow tests: large worlds, timeouts, launch, torchrun, README blocks, a rotating sample of the kill campaign (about 22 minutes)
 	$(BIN)/python -m pytest -q -m slow
 
 test-launchers: $(STAMP)  ## real srun, sbatch, mpirun, torchrun with restarts, hosts in network namespaces (root; installs slurm-wlm, openmpi-bin)
