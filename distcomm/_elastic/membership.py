@@ -35,7 +35,7 @@ __all__ = ["Membership", "admission", "job_pids", "reformed", "shrink_begun", "s
            "warn_late_first_call"]
 
 BREAK_SECONDS = 1.0
-"""How long a shrink waits for its groups' waits to break before it goes on (and keeps the groups)."""
+"""How long a shrink waits for its groups' waits to break before it goes on (the groups are held: ``deferred_free``)."""
 LATE_FIRST_CALL_SECONDS = 0.5
 """A replacement whose first call comes this long after ``from_env()`` let it in is told: the members waited."""
 POLL_SECONDS = 0.05
