@@ -76,14 +76,18 @@ def two_levels_from_five_ranks() -> Iterator[None]:
         _header_exchange.FLAT_WORLD = flat
 
 
-def count_exchanges(comm: distcomm.Communicator) -> list[int]:
-    """From now on, count the slots' exchanges ``comm`` makes (in the returned list's one item)."""
-    exchanges = [0]
-    inner = comm._exchange_slots
+def count_calls(comm: distcomm.Communicator, method: str) -> list[int]:
+    """From now on, count ``comm``'s calls of ``method`` (in the returned list's one item)."""
+    calls, inner = [0], getattr(comm, method)
 
     def counted(*args: Any, **kwargs: Any) -> Any:
-        exchanges[0] += 1
+        calls[0] += 1
         return inner(*args, **kwargs)
 
-    comm._exchange_slots = counted  # type: ignore[method-assign]
-    return exchanges
+    setattr(comm, method, counted)
+    return calls
+
+
+def count_exchanges(comm: distcomm.Communicator) -> list[int]:
+    """From now on, count the slots' exchanges ``comm`` makes (in the returned list's one item)."""
+    return count_calls(comm, "_exchange_slots")

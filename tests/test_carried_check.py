@@ -14,25 +14,14 @@ import torch.distributed as dist
 import distcomm
 from distcomm.testing import run_threaded, spawn
 
-from ._helpers import count_exchanges
+from ._helpers import count_calls, count_exchanges
 
 _TORCH_OP = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "max": dist.ReduceOp.MAX,
              "min": dist.ReduceOp.MIN}
 
 
-def _count_native(comm: distcomm.Communicator) -> list[int]:
-    calls, inner = [0], comm._tensor_reduce
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        calls[0] += 1
-        return inner(*args, **kwargs)
-
-    comm._tensor_reduce = counted  # type: ignore[method-assign]
-    return calls
-
-
 def _against_torch(comm: distcomm.Communicator) -> dict[str, Any]:
-    exchanges, native = count_exchanges(comm), _count_native(comm)
+    exchanges, native = count_exchanges(comm), count_calls(comm, "_tensor_reduce")
     differ = []
     for dtype in (torch.float32, torch.float64, torch.int64, torch.int32, torch.uint8):
         for op in ("sum", "prod", "max", "min"):

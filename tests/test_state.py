@@ -11,6 +11,8 @@ import torch
 import distcomm
 from distcomm.testing import FakeCommunicator, run_threaded, spawn
 
+from ._helpers import count_calls
+
 
 def _trained(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """A small model and its Adam after one step, both differing by ``seed``."""
@@ -25,21 +27,9 @@ def _trained(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, opt
 
 
-def _counting_sends(comm: distcomm.Communicator) -> list[int]:
-    """A count of the messages ``comm`` sends from now on (sync_state's copies of the state)."""
-    count, isend = [0], comm.isend
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        count[0] += 1
-        return isend(*args, **kwargs)
-
-    comm.isend = counted  # type: ignore[method-assign]
-    return count
-
-
 def _differ_then_sync(comm: distcomm.Communicator) -> dict[str, Any]:
     """Ranks 0 and 1 alike, the others not: who differs and where, then one state everywhere."""
-    sends = _counting_sends(comm)
+    sends = count_calls(comm, "isend")
     model, opt = _trained(seed=max(comm.rank - 1, 0))
     progress = {"step": 10 + max(comm.rank - 1, 0)}
     with pytest.raises(distcomm.CollectiveMismatchError) as caught:
