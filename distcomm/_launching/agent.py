@@ -23,9 +23,9 @@ from collections.abc import Sequence
 from typing import IO, Any
 
 from .launch import _end
+from .ports import free_port
 from .rank_output import log_name
 from .rendezvous import serve_store
-from .start import free_port
 from .supervise import JobStore, how_it_ended, saying, wait_elastic
 
 __all__ = ["Job", "run_job"]

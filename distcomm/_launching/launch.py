@@ -37,9 +37,10 @@ from .._wire.memory import seconds as _seconds
 from .._wire.serialization import dumps_code
 from .from_env import machines_under, run_here
 from .launchers import detect
+from .ports import free_port
 from .rank_output import RankOutput
 from .rendezvous import serve_store
-from .start import free_port, start_world
+from .start import start_world
 from .supervise import JobStore, how_it_ended, saying, wait_elastic, wait_until_failure
 
 __all__ = ["free_port", "launch"]

@@ -12,7 +12,6 @@ import contextlib
 import datetime
 import functools
 import os
-import socket
 import sys
 import time
 import weakref
@@ -32,19 +31,13 @@ from .._errors import CommunicatorStateError, PeerError
 from .._transfer.messages import settle_limit
 from .._wire.memory import seconds as _seconds
 from .launchers import LaunchEnv
+from .ports import free_port
 from .rendezvous import Seat, meet, parse_url, unreachable_here, unresolved
 
 if TYPE_CHECKING:
     from .._torch import _TorchCommunicator
 
-__all__ = ["free_port", "start_from", "start_seat", "start_world", "url_host"]
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (bind to 0, read it back)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+__all__ = ["start_from", "start_seat", "start_world", "url_host"]
 
 
 def url_host(addr: str) -> str:

@@ -22,7 +22,8 @@ from .._context import use
 from .._elastic.waits import WAITERS
 from .._errors import DistCommError, RankFailedError
 from .._launching.launch import describe, first_failure
-from .._launching.start import free_port, start_world
+from .._launching.ports import free_port
+from .._launching.start import start_world
 from .._torch import GlooCommunicator, NcclCommunicator
 from .._wire.serialization import dumps_code
 
