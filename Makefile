@@ -6,6 +6,8 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 RUNTIME := $(VENV)/.distcomm-runtime
 STAMP := $(VENV)/.distcomm-installed
+# make bench times small calls of this code beside this earlier commit's (the last before the membership work)
+AGAINST ?= 2e312e0
 
 .PHONY: help install demo test test-slow test-launchers test-all test-large test-gpu lint typecheck bench bench-full bench-tensors bench-wire bench-store \
 	bench-simulate bench-recovery clean
@@ -62,8 +64,9 @@ lint: $(STAMP)  ## ruff
 typecheck: $(STAMP)  ## mypy --strict
 	$(BIN)/mypy distcomm
 
-bench: $(STAMP)  ## quick timing against torch at 2-16 ranks (bytes per call beside time), tensor collectives, async overlap (writes benchmarks/out/)
+bench: $(STAMP)  ## quick timing against torch at 2-16 ranks (bytes per call beside time), small calls beside an earlier commit's (AGAINST=2e312e0), tensor collectives, async overlap (writes benchmarks/out/)
 	$(BIN)/python benchmarks/run.py --quick
+	$(BIN)/python benchmarks/against.py --commit $(AGAINST)
 	$(BIN)/python benchmarks/tensors.py --quick
 	$(BIN)/python benchmarks/overlap.py
 

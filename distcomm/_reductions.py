@@ -18,6 +18,7 @@ from ._agreement import digest_of, odd_ones
 from ._calls import CallSpec, Op
 from ._errors import CollectiveError, CollectiveMismatchError
 from ._ops import FoldError, ReduceOpLike, fold_objects, op_name
+from ._tensors import carried_bytes, fold_rows
 
 if TYPE_CHECKING:
     from ._communicator import Communicator
@@ -135,16 +136,29 @@ def reduce_dict(comm: Communicator, input_dict: Mapping[Any, Any], op: str, dst:
     if problem is None:
         names, shapes, work_dtype, unsigned = dict_signature(input_dict)
         digest = reduce_digest(names, shapes, work_dtype, unsigned, op)
+    values = [input_dict[k] for k in names]
+    work = carried = None
+    if problem is None and names:
+        with torch.no_grad():
+            work = work_tensor(values, work_dtype, op).to(comm.device)
+        carried = carried_bytes(comm, call, work, op)  # alike on every rank whose digest agrees
     # the dict rides along unserialized: the fake's scripted peers read it
     mismatch = lambda: _key_mismatch(comm, names, shapes, work_dtype, unsigned, op, t)  # noqa: E731 - error path
-    comm._run(CallSpec(call, -1 if dst is None else dst, input_dict, t, serialize=False, digest=digest,
-                       problem=problem, on_digest_mismatch=mismatch))
-    if not names:
+    rows = comm._run(CallSpec(call, -1 if dst is None else dst, input_dict, t, serialize=False, digest=digest,
+                              problem=problem, on_digest_mismatch=mismatch, inline=carried,
+                              carries=carried is not None))
+    if work is None:  # no keys
         return {}
-    with torch.no_grad():
-        work = _reduced_values(comm, call, [input_dict[k] for k in names], work_dtype, op, dst, t)
-    if work is None:  # reduce_dict off its root
+    if dst is not None and comm.rank != dst:  # reduce_dict off its root
+        if carried is None:
+            _reduce_natively(comm, call, work, op, dst, t)
         return dict(input_dict)
+    with torch.no_grad():
+        if carried is not None:
+            fold_rows(rows, work, op)
+        else:
+            _reduce_natively(comm, call, work, op, dst, t)
+        work = _finished(work, values, op, comm.world_size).to(values[0].device)
     out, at = {}, 0
     for k, shape in zip(names, shapes, strict=True):
         dt = input_dict[k].dtype
@@ -165,13 +179,10 @@ def _in_result_dtype(v: torch.Tensor, op: str, dt: torch.dtype | None = None) ->
     return v.to(dt if keep else torch.get_default_dtype())
 
 
-def _reduced_values(comm: Communicator, call: Op, values: list[torch.Tensor], work_dtype: torch.dtype, op: str,
-                    dst: int | None, timeout: float | None) -> torch.Tensor | None:
-    """The values, flattened end to end in ``work_dtype``, reduced across ranks in one native
-    collective; None off the root of a reduce_dict."""
-    work = work_tensor(values, work_dtype, op)
-    orig = work.device
-    work = work.to(comm.device) if work.device != comm.device else work
+def _reduce_natively(comm: Communicator, call: Op, work: torch.Tensor, op: str, dst: int | None,
+                     timeout: float | None) -> None:
+    """``work`` (reduce_dict's values, flattened end to end) reduced across ranks in one native
+    collective, in place (onto ``dst``, or every rank)."""
     st = comm._stat(call)
     t0 = time.perf_counter()
     comm._count(*comm._reduce_traffic(work, dst, op))
@@ -180,13 +191,15 @@ def _reduced_values(comm: Communicator, call: Op, values: list[torch.Tensor], wo
     else:
         comm._tensor_reduce(work, dst, op, timeout)
     st.transfer_s += time.perf_counter() - t0
-    if dst is not None and comm.rank != dst:
-        return None
+
+
+def _finished(work: torch.Tensor, values: list[torch.Tensor], op: str, world: int) -> torch.Tensor:
+    """The reduced ``work`` as values again: uint64 top bits flipped back for max and min, a mean divided."""
     if work.dtype == torch.int64 and op in ("max", "min"):
         work = work_tensor([work], torch.int64, op, _unsigned_elements(values))  # the top bits flipped back
     if op == "mean":
-        work = _mean_of_halves(work, comm.world_size) if work.dtype == torch.int64 else work / comm.world_size
-    return work.to(orig)
+        work = _mean_of_halves(work, world) if work.dtype == torch.int64 else work / world
+    return work
 
 
 def work_tensor(values: list[torch.Tensor], work_dtype: torch.dtype, op: str,

@@ -9,7 +9,6 @@ from __future__ import annotations
 import datetime
 import functools
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -27,7 +26,7 @@ if TYPE_CHECKING:
     from ._communicator import Communicator
 
 __all__ = ["all_gather_by_gathering", "broadcast_by_gathering", "reduce_by_gathering", "reduce_scatter_by_gathering",
-           "run_tensor_op", "tensor_fields", "tensor_input_problem"]
+           "carried_bytes", "fold_rows", "run_tensor_op", "tensor_fields", "tensor_input_problem"]
 
 _ZERO_WORD = bytes(8)
 
@@ -187,16 +186,15 @@ def _gathered(comm: Communicator, x: torch.Tensor, rows: list[int], timeout: flo
 
 
 CARRY_BYTES = 1024
-"""A checked all_reduce or broadcast_tensor of at most this many bytes, in a world whose slots are
+"""A checked all_reduce, broadcast_tensor or (all_)reduce_dict of at most this many bytes, in a world whose slots are
 exchanged whole (``_frame.SMALL_WORLD``), rides in its own check: every rank's tensor in its slot,
 each rank folding them; one exchange instead of two."""
 
-_CARRIED_OPS = frozenset({Op.ALL_REDUCE, Op.BROADCAST_TENSOR})
+_CARRIED_OPS = frozenset({Op.ALL_REDUCE, Op.BROADCAST_TENSOR, Op.REDUCE_DICT, Op.ALL_REDUCE_DICT})
 _NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.int8: np.int8, torch.uint8: np.uint8,
                  torch.int32: np.int32, torch.int64: np.int64}  # (the dtypes a carried all_reduce folds)
-_NUMPY_FOLDS: dict[str, Callable[[Any], Any]] = {  # over the ranks' rows, in rank order, in the values' own dtype
-    "sum": lambda v: v.sum(axis=0, dtype=v.dtype), "mean": lambda v: v.sum(axis=0, dtype=v.dtype),
-    "prod": lambda v: v.prod(axis=0, dtype=v.dtype), "max": lambda v: v.max(axis=0), "min": lambda v: v.min(axis=0)}
+_NUMPY_FOLDS: dict[str, Any] = {  # over the ranks' rows, in rank order, in the values' own dtype
+    "sum": np.add, "mean": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
 _CARRIED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
                              torch.int32, torch.int64})
 
@@ -208,7 +206,7 @@ def carried_bytes(comm: Communicator, op: Op, tensor: torch.Tensor, reduce_op: s
     if (op not in _CARRIED_OPS or comm.world_size > _frame.SMALL_WORLD or comm._agrees_by_reduction
             or tensor.dtype not in _CARRIED_DTYPES or tensor.device.type != "cpu" or tensor.requires_grad
             or not tensor.is_contiguous() or tensor.is_neg()
-            or (op is Op.ALL_REDUCE and not folds_as_ring(tensor.dtype, reduce_op))
+            or (op is not Op.BROADCAST_TENSOR and not folds_as_ring(tensor.dtype, reduce_op))
             or not 0 < tensor.numel() * tensor.element_size() <= min(CARRY_BYTES, _frame.carry_room(comm._slot_size))):
         return None
     return tensor.view(-1).view(torch.uint8).numpy().tobytes()
@@ -222,18 +220,24 @@ def _carried(comm: Communicator, op: Op, root: int, tensor: torch.Tensor, reduce
     rows = comm._run(CallSpec(op, root, tensor, timeout, serialize=False, digest=digest, carries=True, inline=carried,
                               on_digest_mismatch=lambda: _mismatch(comm, op, tensor, reduce_op, timeout)))
     t1 = time.perf_counter()
-    mine = flat.view(torch.uint8).numpy()  # (this tensor's own memory)
     if op is Op.BROADCAST_TENSOR:
-        mine[:] = rows[root]
-    else:  # numpy folds a few values in a fraction of torch's per-call time, in rank order alike
+        flat.view(torch.uint8).numpy()[:] = rows[root]
+    else:
         assert reduce_op is not None
-        values = np.stack(rows).view(_NUMPY_DTYPES[tensor.dtype])
-        mine.view(values.dtype)[:] = _NUMPY_FOLDS[reduce_op](values)
+        fold_rows(rows, flat, reduce_op)
         if reduce_op == "mean":
             flat.div_(comm.world_size)
     st.serialize_s += t1 - t0
     st.transfer_s += time.perf_counter() - t1
     return tensor
+
+
+def fold_rows(rows: Any, flat: torch.Tensor, reduce_op: str) -> None:
+    """Every rank's bytes of ``flat`` (``rows``: one row per rank, from a carried check) folded into
+    ``flat`` itself by ``reduce_op`` ("mean": summed; the caller divides). numpy folds a few values
+    in a fraction of torch's per-call time, in rank order alike on every rank."""
+    values = rows.view(_NUMPY_DTYPES[flat.dtype])
+    _NUMPY_FOLDS[reduce_op].reduce(values, axis=0, dtype=values.dtype, out=flat.numpy())
 
 
 def _check(comm: Communicator, op: Op, root: int, tensor: torch.Tensor, reduce_op: str | None, problem: str | None,

@@ -1,4 +1,4 @@
-"""A small checked all_reduce or broadcast_tensor rides in its own check (worlds of up to 4 ranks):
+"""A small checked all_reduce, broadcast_tensor or (all_)reduce_dict rides in its own check (worlds of up to 4 ranks):
 every rank's tensor in its slot, one exchange instead of the check's and the native collective's.
 Results as torch's on the same group, the same errors for tensors that differ (a small one beside a
 large one included), and the communicator usable after them; over gloo processes and the threads."""
@@ -82,3 +82,46 @@ def test_the_threaded_world_carries_as_gloo_does() -> None:
         return exchanges[0], t.tolist()
 
     assert run_threaded(call, 3) == [(1, [3.0, 3.0])] * 3
+
+
+def _dicts_both_ways(comm: distcomm.Communicator) -> dict[str, Any]:
+    """Each dict reduced riding in its check, then with carrying off (the check, then torch's
+    collective): the results, and the exchanges and native reductions each way took."""
+    import distcomm._tensors as tensors
+
+    r = comm.rank
+    cases = {
+        "float mean": ({"loss": torch.tensor(0.1 * (r + 1)), "acc": torch.tensor([r, 2.0 * r])}, "mean"),
+        "int mean": ({"n": torch.tensor([2**62 + r, -r], dtype=torch.int64)}, "mean"),
+        "uint64 max": ({"u": torch.tensor([2**63 + r, r], dtype=torch.uint64)}, "max"),
+        "int min": ({"i": torch.tensor(5 - r, dtype=torch.int32), "b": torch.tensor(r % 2 == 0)}, "min"),
+        "float max (the ring)": ({"x": torch.tensor(float(r))}, "max"),
+        "numbers": ({"a": 1.5 * r, "b": r}, "sum"),
+    }
+    out: dict[str, Any] = {}
+    for carry in (tensors.CARRY_BYTES, 0):
+        tensors.CARRY_BYTES = carry
+        exchanges, native = count_exchanges(comm), count_calls(comm, "_reduce_traffic")  # once per native one
+        for name, (d, op) in cases.items():
+            got = comm.all_reduce_dict(d, op=op)
+            on_root = comm.reduce_dict(d, op=op)
+            out[f"{name} carry={bool(carry)}"] = ({k: v.tolist() for k, v in got.items()},
+                                                 {k: v.tolist() for k, v in on_root.items()} if r == 0 else None)
+        out[f"calls carry={bool(carry)}"] = (exchanges[0], native[0])
+    tensors.CARRY_BYTES = 1024
+    return out
+
+
+@pytest.mark.parametrize("run", ["gloo", "threads"])
+def test_a_small_reduce_dict_rides_in_its_check_with_the_native_results(run: str) -> None:
+    world = 3
+    outs = spawn(_dicts_both_ways, world, timeout=120) if run == "gloo" else run_threaded(_dicts_both_ways, world)
+    for got in outs:
+        for key in got:
+            if key.endswith("carry=True") and not key.startswith("calls"):
+                assert got[key] == got[key.replace("True", "False")], key
+        # 6 dicts, each all_reduce_dict and reduce_dict: one exchange each, but the float max (twice)
+        assert got["calls carry=True"] == (12, 2), got["calls carry=True"]
+        assert got["calls carry=False"] == (12, 12), got["calls carry=False"]
+    assert outs[0]["int mean carry=True"][0] == {"n": [float(2**62 + 1), -1.0]}
+    assert outs[0]["uint64 max carry=True"][0] == {"u": [2**63 + 2, 2]}

@@ -180,13 +180,20 @@ class FakeCommunicator(Communicator):
     # ---- how a scripted peer's slot is built, per family (the table ``_PEER_SLOTS`` after the class)
     def _header_slot(self, spec: CallSpec, r: int, size: int) -> bytearray:
         """A header alone: synchronize, and reduce_dict's agreement on keys, shapes and op."""
-        digest = 0
-        if spec.op is not Op.SYNCHRONIZE:
-            problem = dict_problem(self._peer_dicts[r], self._dict_op())[1]  # as that peer would report it
-            if problem is not None:
-                return self._status_slot(r, _frame.INVALID, problem, size)
-            digest = reduce_digest(*dict_signature(self._peer_dicts[r]), self._dict_op())
-        return _frame.encode(spec.op, self._seq, spec.root, digest, [], size)
+        if spec.op is Op.SYNCHRONIZE:
+            return _frame.encode(spec.op, self._seq, spec.root, 0, [], size)
+        theirs, op = self._peer_dicts[r], self._dict_op()
+        problem = dict_problem(theirs, op)[1]  # as that peer would report it
+        if problem is not None:
+            return self._status_slot(r, _frame.INVALID, problem, size)
+        names, shapes, work_dtype, unsigned = dict_signature(theirs)
+        segments = []
+        if names:  # its values, where its call rides in its check
+            work = work_tensor([torch.as_tensor(theirs[k]) for k in names], work_dtype, op).to(self.device)
+            carried = carried_bytes(self, spec.op, work, op)
+            segments = [[memoryview(carried)]] if carried is not None else []
+        return _frame.encode(spec.op, self._seq, spec.root, reduce_digest(names, shapes, work_dtype, unsigned, op),
+                             segments, size)
 
     def _count_slot(self, spec: CallSpec, r: int, size: int) -> bytearray:
         """gather_in_order's first exchange: each peer's count of its results (then a gather)."""
