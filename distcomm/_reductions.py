@@ -1,6 +1,7 @@
 """Reductions of dicts and objects: reduce_dict / all_reduce_dict (a dict of tensors reduced in one
-native collective, after one exchange that checks every rank has the same keys and shapes), and
-reduce_object, all_reduce_object, scan and exscan (objects folded on a root in rank order)."""
+native collective, after one exchange that checks every rank has the same keys and shapes; in small
+worlds, a few values ride in that exchange and no native collective follows), and reduce_object,
+all_reduce_object, scan and exscan (objects folded on a root in rank order)."""
 
 from __future__ import annotations
 
