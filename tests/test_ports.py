@@ -13,14 +13,23 @@ import distcomm
 from distcomm._launching import ports
 
 
-def _plain_bind(port: int) -> int:
+def _plain_bind(port: int, host: str = "127.0.0.1") -> int:
     """0 if a socket without SO_REUSEADDR could bind ``port`` (as another job's would), else the errno."""
-    with socket.socket() as s:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         try:
-            s.bind(("127.0.0.1", port))
+            s.bind((host, port))
         except OSError as e:
             return e.errno or -1
     return 0
+
+
+def _ipv6() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
 
 
 def test_the_port_is_held_from_other_binds_yet_a_store_listens_on_it() -> None:
@@ -37,3 +46,10 @@ def test_a_hold_ends_after_its_time(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ports, "HOLD_SECONDS", 0.0)
     second = distcomm.free_port()  # lets the expired holds go
     assert second != first and _plain_bind(first) == 0
+
+
+def test_the_port_is_held_on_every_address() -> None:
+    """gloo's own listeners bind port 0 of the host's address, not 127.0.0.1: none may get it."""
+    port = distcomm.free_port()
+    hosts = ["127.0.0.1", "0.0.0.0", *(["::1", "::"] if _ipv6() else [])]
+    assert {h: _plain_bind(port, h) for h in hosts} == dict.fromkeys(hosts, errno.EADDRINUSE)
