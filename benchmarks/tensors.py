@@ -36,7 +36,7 @@ import torch.multiprocessing as mp
 
 import distcomm
 
-SIZES = {"4 B": 1, "1 KiB": 256, "1 MiB": 1 << 18}  # float32 elements
+SIZES = {"4 B": 1, "16 B": 4, "1 KiB": 256, "1 MiB": 1 << 18}  # float32 elements
 
 
 def impls(comm: distcomm.Communicator, op: str, numel: int) -> dict[str, Callable[[], Any]]:
