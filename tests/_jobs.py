@@ -28,8 +28,10 @@ ELASTIC_DDP = """
     model, progress, share = torch.nn.Linear(4, 1), {"step": 0}, True
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
-    newcomer = bool(comm.membership.admitted)
-    while progress["step"] < 15:
+    newcomer, world = bool(comm.membership.admitted), comm.world_size
+    # 15 steps, then on until the replacement is in (on a loaded machine it may take longer to start
+    # than the steps left); bounded by steps, which every member counts alike, not by a clock
+    while progress["step"] < 15 or (comm.world_size < world and progress["step"] < 400):
         try:
             if share:
                 comm.sync_state(model, opt, progress)
