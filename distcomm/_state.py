@@ -70,7 +70,13 @@ def _fingerprints(comm: Communicator, objects: tuple[Any, ...], op: str) -> tupl
     bad = [f"object {i} is a {type(obj).__name__}" for i, obj in enumerate(objects)
            if not (_stateful(obj) or isinstance(obj, dict))]
     states = [] if bad else [obj.state_dict() if _stateful(obj) else obj for obj in objects]
-    gathered = comm.all_gather((bad, [_digest(_leaves(state)) for state in states]))
+    gathered = comm.all_gather((op, bad, [_digest(_leaves(state)) for state in states]))
+    ops = [o for o, _, _ in gathered]  # both run on all_gather: one rank's sync_state beside another's
+    if len(set(ops)) > 1:  # check_identical would otherwise meet as one call, then wait in different ones
+        calls = ", ".join(f"rank {r} {o}" for r, o in enumerate(ops))
+        raise CollectiveMismatchError(f"{op}: the ranks called different state calls: {calls}", op=op,
+                                      ranks=[r for r, o in enumerate(ops) if o != ops[0]])
+    gathered = [(b, d) for _, b, d in gathered]
     refused = [f"rank {r}: {', '.join(b)}" for r, (b, _) in enumerate(gathered) if b]
     if refused:
         raise TypeError(f"{op} takes objects with state_dict() and load_state_dict() (a model, an optimizer, a "

@@ -29,13 +29,15 @@ ELASTIC_DDP = """
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
     newcomer, world = bool(comm.membership.admitted), comm.world_size
-    # 15 steps, then on until the replacement is in (on a loaded machine it may take longer to start
-    # than the steps left); bounded by steps, which every member counts alike, not by a clock
-    while progress["step"] < 15 or (comm.world_size < world and progress["step"] < 400):
+    while True:
         try:
             if share:
                 comm.sync_state(model, opt, progress)
                 ddp, share = DistributedDataParallel(model, process_group=comm.group), False
+            # 15 steps, then on until the replacement is in (on a loaded machine it may take longer to
+            # start than the steps left): decided once the state went round, so every member alike
+            if progress["step"] >= 400 or (progress["step"] >= 15 and comm.world_size == world):
+                break
             if comm.membership.job_ranks[comm.rank] == victim and progress["step"] == 3 and not newcomer:
                 os.kill(os.getpid(), signal.SIGKILL)
             opt.zero_grad()

@@ -92,6 +92,25 @@ def test_different_numbers_of_objects_are_a_mismatch_on_every_rank() -> None:
     assert run_threaded(fn, 3, timeout=60) == [(1,)] * 3
 
 
+def _state_calls_crossed(comm: distcomm.Communicator) -> tuple[str, tuple[int, ...]]:
+    model = _trained(comm.rank)[0]  # states that differ: check_identical would go on to a second exchange
+    with pytest.raises(distcomm.CollectiveMismatchError) as caught:
+        if comm.rank == 0:
+            comm.sync_state(model)  # a newcomer's first call, beside members that left their loop
+        else:
+            comm.check_identical(model)
+    return str(caught.value).split(": ", 1)[1], caught.value.ranks
+
+
+@pytest.mark.parametrize("run", ["threads", "gloo"])
+def test_sync_state_beside_check_identical_is_a_mismatch_on_every_rank(run: str) -> None:
+    """Both meet in one all_gather first: without naming the call, they waited in different ones."""
+    outs = run_threaded(_state_calls_crossed, 2, timeout=60) if run == "threads" else \
+        spawn(_state_calls_crossed, 2, timeout=60)
+    assert outs == [("the ranks called different state calls: rank 0 sync_state, rank 1 check_identical",
+                     (1,))] * 2
+
+
 def test_the_doubles_agree_with_themselves() -> None:
     """A world of one, and a fake whose peers echo its own calls, hold one state."""
     model, opt = _trained(seed=0)
