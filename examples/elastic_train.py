@@ -55,12 +55,14 @@ class ElasticTrainer:
 
     def fit(self) -> torch.nn.Module:
         share = True  # the state goes round before the next step: at the start, after a shrink or an admit
-        while self.progress["step"] < self.steps:
+        while True:
             try:  # every collective inside: a rank may be lost in any of them
                 if share:
                     self.comm.sync_state(self.model, self.opt, self.progress)
                     self.ddp = DistributedDataParallel(self.model, process_group=self.comm.group)
                     share = False
+                if self.step >= self.steps:  # decided after the state went round: a newcomer let in at
+                    break  # the last step stops with the members instead of waiting for them in sync_state
                 self._train_step()
                 admitted = self.comm.admit()
                 if admitted is not self.comm:
