@@ -186,14 +186,14 @@ def _gathered(comm: Communicator, x: torch.Tensor, rows: list[int], timeout: flo
 
 
 CARRY_BYTES = 1024
-"""A checked all_reduce, broadcast_tensor or (all_)reduce_dict of at most this many bytes, in a world whose slots are
-exchanged whole (``_frame.SMALL_WORLD``), rides in its own check: every rank's tensor in its slot,
-each rank folding them; one exchange instead of two."""
+"""A checked all_reduce, broadcast_tensor or (all_)reduce_dict of at most this many bytes, in a
+world whose slots are exchanged whole (``_frame.SMALL_WORLD``), rides in its own check: every rank's
+values in its slot, each rank folding them; one exchange instead of two."""
 
 _CARRIED_OPS = frozenset({Op.ALL_REDUCE, Op.BROADCAST_TENSOR, Op.REDUCE_DICT, Op.ALL_REDUCE_DICT})
 _NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.int8: np.int8, torch.uint8: np.uint8,
                  torch.int32: np.int32, torch.int64: np.int64}  # (the dtypes a carried all_reduce folds)
-_NUMPY_FOLDS: dict[str, Any] = {  # over the ranks' rows, in rank order, in the values' own dtype
+_NUMPY_FOLDS: dict[str, np.ufunc] = {  # over the ranks' rows, in rank order, in the values' own dtype
     "sum": np.add, "mean": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
 _CARRIED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
                              torch.int32, torch.int64})

@@ -179,7 +179,8 @@ class FakeCommunicator(Communicator):
 
     # ---- how a scripted peer's slot is built, per family (the table ``_PEER_SLOTS`` after the class)
     def _header_slot(self, spec: CallSpec, r: int, size: int) -> bytearray:
-        """A header alone: synchronize, and reduce_dict's agreement on keys, shapes and op."""
+        """A header alone: synchronize, and reduce_dict's agreement on keys, shapes and op (with the
+        peer's values where its call rides in its check, as a real rank's would)."""
         if spec.op is Op.SYNCHRONIZE:
             return _frame.encode(spec.op, self._seq, spec.root, 0, [], size)
         theirs, op = self._peer_dicts[r], self._dict_op()
