@@ -324,17 +324,37 @@ def _peer_wait(comm: _TorchCommunicator, what: str, peer: int, timeout: float | 
     if comm._store is None or not comm._token:
         return False, needed
     key = f"distcomm/{comm._token}/p2p/"
+    mine, theirs = f"{key}{comm._rank}/{peer}", f"{key}{peer}/{comm._rank}"
     try:
-        comm._store.set(f"{key}{comm._rank}/{peer}", what)
+        comm._store.set(mine, what)
         deadline = time.monotonic() + (2.0 if timeout is None else min(2.0, max(0.5, timeout / 4)))
-        while not comm._store.check([f"{key}{peer}/{comm._rank}"]) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if comm._store.check([f"{key}{peer}/{comm._rank}"]):
-            theirs = comm._store.get(f"{key}{peer}/{comm._rank}").decode("utf-8", "replace")
-            return True, f"{needed}; it was waiting in {theirs} (this rank: {what})"
+        if _appears(comm._store, theirs, deadline):
+            said = comm._store.get(theirs).decode("utf-8", "replace")
+            _said_read(comm._store, mine, theirs, deadline)
+            return True, f"{needed}; it was waiting in {said} (this rank: {what})"
     except Exception:  # noqa: S110 - the store may be gone with its host: the plain message will do
         pass
     return False, f"{needed} (it reported no wait on this rank)"
+
+
+def _said_read(store: Any, mine: str, theirs: str, deadline: float) -> None:
+    """Tell the peer this rank read its wait, then wait (until ``deadline``) until it read this
+    rank's: a peer that hosts the store would otherwise raise and exit, taking the store with it,
+    between this rank's write and its read. The last reader may find the store gone: it has read."""
+    try:
+        store.set(f"{mine}/read", "")
+        _appears(store, f"{theirs}/read", deadline)
+    except Exception:  # noqa: S110 - see above
+        pass
+
+
+def _appears(store: Any, key: str, deadline: float) -> bool:
+    """Whether ``key`` is in ``store`` by ``deadline`` (polled)."""
+    while not store.check([key]):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 class PointToPoint:
