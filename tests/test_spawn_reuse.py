@@ -89,3 +89,70 @@ def test_kept_worlds_end_promptly_at_exit_and_leave_no_process(tmp_path: Path) -
         for pid in pids:
             if _running(pid):
                 os.kill(pid, 9)
+
+
+def _environment_output_and_randomness(comm: object) -> tuple[str | None, float]:
+    import numpy as np
+
+    print(f"rank {comm.rank} says hello", flush=True)  # type: ignore[attr-defined]
+    return os.environ.get("DISTCOMM_TEST_MARK"), float(np.random.random())
+
+
+@pytest.mark.timeout(120)
+def test_ranks_take_this_processs_environment_output_and_fresh_randomness(
+        capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ranks fork from a server started earlier (by this test's first spawn, if no other): what
+    a spawned process would inherit still comes from this process, as it is now."""
+    spawn(_pid_and_serializer, 2, timeout=60, reuse=False)
+    monkeypatch.setenv("DISTCOMM_TEST_MARK", "set after the server started")
+    got = spawn(_environment_output_and_randomness, 3, timeout=60, reuse=False)
+    assert [mark for mark, _ in got] == ["set after the server started"] * 3
+    assert len({draw for _, draw in got}) == 3, "numpy's random state must be each rank's own"
+    out = capfd.readouterr().out
+    assert all(f"rank {r} says hello" in out for r in range(3)), out
+
+
+ORPHAN_SCRIPT = textwrap.dedent("""
+    import os, time
+    from distcomm.testing import spawn
+
+    def report_and_wait(comm):
+        os.write(1, f"PID {os.getpid()}\\n".encode())  # one write: the ranks' lines don't interleave
+        time.sleep(600)
+
+    if __name__ == "__main__":
+        spawn(report_and_wait, 2, timeout=900, reuse=False)
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_ranks_end_soon_after_the_process_that_spawned_them_is_killed(tmp_path: Path) -> None:
+    script = tmp_path / "orphans.py"
+    script.write_text(ORPHAN_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    pids: list[int] = []
+    try:
+        assert proc.stdout is not None
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("PID"):
+                pids.append(int(line.split()[1]))
+                if len(pids) == 2:
+                    break
+        assert len(pids) == 2, "".join(lines)[-3000:]
+        proc.kill()
+        proc.wait(10)
+        deadline = time.monotonic() + 10
+        while any(map(_running, pids)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in pids if _running(p)], "a rank outlived the process that spawned it"
+    finally:
+        proc.kill()
+        for pid in pids:
+            if _running(pid):
+                os.kill(pid, 9)

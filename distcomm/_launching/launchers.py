@@ -474,13 +474,15 @@ _at_fork: dict[str, str] | None = None
 """The environment at the fork that started this process, if it forked from one that imported distcomm."""
 
 
-def _remember_at_fork() -> None:
+def remember_starting_environment() -> None:
+    """Take the environment as it is now as the one this process started with (at a fork; or where
+    the process then takes its parent's, as a forkserver's child does)."""
     global _at_fork
     _at_fork = dict(os.environ)
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_remember_at_fork)
+    os.register_at_fork(after_in_child=remember_starting_environment)
 
 
 def _starting_environment() -> dict[str, str] | None:

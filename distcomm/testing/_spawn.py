@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import hashlib
 import multiprocessing as mp
+import multiprocessing.reduction
 import os
 import pickle
 import queue as queue_mod
@@ -16,12 +17,14 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import cloudpickle
+import numpy as np
 import torch.distributed as dist
 
 from .._context import use
 from .._elastic.waits import WAITERS
 from .._errors import DistCommError, RankFailedError
 from .._launching.launch import describe, first_failure
+from .._launching.launchers import remember_starting_environment
 from .._launching.ports import free_port
 from .._launching.start import start_world
 from .._torch import GlooCommunicator, NcclCommunicator
@@ -50,13 +53,63 @@ def _failure(e: BaseException) -> _Got:
 def _die_with(parent: int) -> None:
     """End this process soon after ``parent`` is gone (killed with SIGKILL, say): no orphan waits on
     its queue. A thread that polls, not PDEATHSIG, which fires when the thread that started this
-    process ends (spawn() may run in a helper thread that a kept world outlives)."""
+    process ends (spawn() may run in a helper thread that a kept world outlives); the pid itself,
+    not this process's parent, which is the forkserver where there is one."""
     def watch() -> None:
-        while os.getppid() == parent:
+        while True:
+            try:
+                os.kill(parent, 0)
+            except (ProcessLookupError, PermissionError):  # (the latter: another user's process, its pid reused)
+                os._exit(1)
             time.sleep(1.0)
-        os._exit(1)
 
     threading.Thread(target=watch, name="distcomm-spawn-parent-watch", daemon=True).start()
+
+
+class _Parent:
+    """What a rank takes from the process that called spawn(): its pid, environment and stdout and
+    stderr. A spawned process inherits them; a forkserver's child would have the server's, from
+    when it started, so they travel with the rank's arguments and the rank takes them first."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.env = dict(os.environ)
+        self.stdio: tuple[Any, ...] = ()
+
+    def __reduce__(self) -> tuple[Any, ...]:  # the descriptors go as the start method passes them
+        return _Parent._rebuild, (self.pid, self.env, (multiprocessing.reduction.DupFd(1),
+                                                       multiprocessing.reduction.DupFd(2)))
+
+    @staticmethod
+    def _rebuild(pid: int, env: dict[str, str], stdio: tuple[Any, ...]) -> _Parent:
+        parent = _Parent.__new__(_Parent)
+        parent.pid, parent.env, parent.stdio = pid, env, stdio
+        return parent
+
+    def adopt(self) -> None:
+        """In the rank: its parent's environment (as the one it started with) and output, numpy's
+        random state of its own (a fresh process seeds it anew), then a watch on the parent."""
+        os.environ.clear()
+        os.environ.update(self.env)
+        remember_starting_environment()
+        np.random.seed()
+        for target, passed in zip((1, 2), self.stdio, strict=True):
+            fd = passed.detach()
+            os.dup2(fd, target)
+            os.close(fd)
+        _die_with(self.pid)
+
+
+def _context() -> Any:
+    """Where processes come from: a forkserver that imported torch and distcomm once, so that a rank
+    starts in a fork, not in the second or more each fresh interpreter takes to import torch; spawn
+    where there is no forkserver. (Its preload is set once, before it starts; a forkserver this
+    process already runs is used as it is.)"""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    return ctx
 
 
 def _start(rank: int, world: int, url: str, backend: str, timeout: float, comm_kwargs: dict[str, Any]) -> Any:
@@ -66,8 +119,8 @@ def _start(rank: int, world: int, url: str, backend: str, timeout: float, comm_k
 
 
 def _spawn_worker(rank: int, world: int, url: str, payload: bytes, out: Any, backend: str, timeout: float,
-                  parent: int) -> None:
-    _die_with(parent)
+                  parent: _Parent) -> None:
+    parent.adopt()
     reported = False
     try:
         fn, comm_kwargs = cloudpickle.loads(payload)
@@ -88,13 +141,13 @@ def _spawn_worker(rank: int, world: int, url: str, payload: bytes, out: Any, bac
 
 
 def _pool_worker(rank: int, world: int, url: str, inbox: Any, out: Any, backend: str, timeout: float,
-                 kwargs_blob: bytes, parent: int) -> None:
+                 kwargs_blob: bytes, parent: _Parent) -> None:
     """A rank of a reused world: one communicator, then one function per job until told to stop.
 
     After each job it reports its call count; the parent keeps the world only while every rank
     succeeded, with the same count and an intact communicator.
     """
-    _die_with(parent)
+    parent.adopt()
     try:
         comm = _start(rank, world, url, backend, timeout, cloudpickle.loads(kwargs_blob))
     except BaseException as e:
@@ -134,13 +187,13 @@ class _World:
     """Processes of a reused world, kept between spawn(..., reuse=True) calls with the same settings."""
 
     def __init__(self, world: int, backend: str, timeout: float, kwargs_blob: bytes) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self.out = ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(world)]
         url = f"tcp://127.0.0.1:{free_port()}"
         self.procs = [ctx.Process(target=_pool_worker, name=f"distcomm-rank-{r}", daemon=True,
                                   args=(r, world, url, self.inboxes[r], self.out, backend, timeout, kwargs_blob,
-                                        os.getpid()))
+                                        _Parent()))
                       for r in range(world)]
         for p in self.procs:
             p.start()
@@ -237,6 +290,10 @@ def spawn(fn: Callable[[Any], _R], world_size: int, *, backend: str = "gloo", ti
     Each process initializes a process group on a free local port, builds a GlooCommunicator (or
     NcclCommunicator with backend="nccl"), installs it with ``use()`` and calls ``fn(comm)``.
     ``fn`` may be a lambda or closure (cloudpickle); its return values come back in rank order.
+    The processes fork from multiprocessing's forkserver, which imported torch and distcomm once
+    (spawned afresh where there is none): a world starts in a fraction of a second, not the second
+    or more per process that importing torch takes. Each takes this process's environment, stdout
+    and stderr as a spawned one would.
 
     Args:
         fn: the per-rank function.
@@ -279,11 +336,11 @@ def spawn(fn: Callable[[Any], _R], world_size: int, *, backend: str = "gloo", ti
         else:
             world.close()
         return _results(got, world_size, timeout, return_exceptions)
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     out = ctx.Queue()
     url = f"tcp://127.0.0.1:{free_port()}"
     payload = dumps_code((fn, comm_kwargs))
-    procs = [ctx.Process(target=_spawn_worker, args=(r, world_size, url, payload, out, backend, timeout, os.getpid()),
+    procs = [ctx.Process(target=_spawn_worker, args=(r, world_size, url, payload, out, backend, timeout, _Parent()),
                          name=f"distcomm-rank-{r}", daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
