@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import select
 import subprocess
 import sys
 import textwrap
@@ -91,25 +92,35 @@ def test_kept_worlds_end_promptly_at_exit_and_leave_no_process(tmp_path: Path) -
                 os.kill(pid, 9)
 
 
-def _environment_output_and_randomness(comm: object) -> tuple[str | None, float]:
+def _environment_output_and_randomness(comm: object) -> tuple[str | None, float, float, str | None]:
     import numpy as np
+    import torch
 
     print(f"rank {comm.rank} says hello", flush=True)  # type: ignore[attr-defined]
-    return os.environ.get("DISTCOMM_TEST_MARK"), float(np.random.random())
+    print(f"rank {comm.rank} warns", file=sys.stderr, flush=True)  # type: ignore[attr-defined]
+    mark = os.environ.get("DISTCOMM_TEST_MARK")
+    return mark, float(np.random.random()), float(torch.rand(1)), os.environ.get("DISTCOMM_TEST_GONE")
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
 def test_ranks_take_this_processs_environment_output_and_fresh_randomness(
-        capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+        method: str, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """The ranks fork from a server started earlier (by this test's first spawn, if no other): what
     a spawned process would inherit still comes from this process, as it is now."""
+    monkeypatch.setenv("DISTCOMM_SPAWN_METHOD", method)
+    monkeypatch.setenv("DISTCOMM_TEST_GONE", "set when the server started")
     spawn(_pid_and_serializer, 2, timeout=60, reuse=False)
     monkeypatch.setenv("DISTCOMM_TEST_MARK", "set after the server started")
+    monkeypatch.delenv("DISTCOMM_TEST_GONE")
     got = spawn(_environment_output_and_randomness, 3, timeout=60, reuse=False)
-    assert [mark for mark, _ in got] == ["set after the server started"] * 3
-    assert len({draw for _, draw in got}) == 3, "numpy's random state must be each rank's own"
-    out = capfd.readouterr().out
-    assert all(f"rank {r} says hello" in out for r in range(3)), out
+    assert [(mark, gone) for mark, _, _, gone in got] == [("set after the server started", None)] * 3
+    assert len({draw for _, draw, _, _ in got}) == 3, "numpy's random state must be each rank's own"
+    assert len({draw for _, _, draw, _ in got}) == 3, "torch's random state must be each rank's own"
+    out, err = capfd.readouterr()
+    for r in range(3):
+        assert f"rank {r} says hello" in out, out
+        assert f"rank {r} warns" in err, err
 
 
 ORPHAN_SCRIPT = textwrap.dedent("""
@@ -129,6 +140,7 @@ ORPHAN_SCRIPT = textwrap.dedent("""
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_ranks_end_soon_after_the_process_that_spawned_them_is_killed(tmp_path: Path) -> None:
+    """Killed and not yet reaped (a zombie, whose pid still answers), the caller is gone to its ranks."""
     script = tmp_path / "orphans.py"
     script.write_text(ORPHAN_SCRIPT)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
@@ -138,21 +150,25 @@ def test_ranks_end_soon_after_the_process_that_spawned_them_is_killed(tmp_path: 
     try:
         assert proc.stdout is not None
         lines = []
-        for line in proc.stdout:
+        deadline = time.monotonic() + 60
+        while len(pids) < 2 and time.monotonic() < deadline:
+            if not select.select([proc.stdout], [], [], 1.0)[0]:
+                continue
+            line = proc.stdout.readline()
+            if not line:
+                break
             lines.append(line)
             if line.startswith("PID"):
                 pids.append(int(line.split()[1]))
-                if len(pids) == 2:
-                    break
         assert len(pids) == 2, "".join(lines)[-3000:]
-        proc.kill()
-        proc.wait(10)
+        proc.kill()  # not waited for until the ranks are checked: a zombie until then
         deadline = time.monotonic() + 10
         while any(map(_running, pids)) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not [p for p in pids if _running(p)], "a rank outlived the process that spawned it"
     finally:
         proc.kill()
+        proc.wait(10)
         for pid in pids:
             if _running(pid):
                 os.kill(pid, 9)

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 import torch
 
-from .._elastic.failure_report import membership_broke
+from .._elastic.failure_report import membership_broke, store_host
 from .._elastic.waits import wait_watched
 from .._errors import (
     CollectiveError,
@@ -330,20 +330,21 @@ def _peer_wait(comm: _TorchCommunicator, what: str, peer: int, timeout: float | 
         deadline = time.monotonic() + (2.0 if timeout is None else min(2.0, max(0.5, timeout / 4)))
         if _appears(comm._store, theirs, deadline):
             said = comm._store.get(theirs).decode("utf-8", "replace")
-            _said_read(comm._store, mine, theirs, deadline)
+            if store_host(comm) == comm._rank:
+                _wait_until_read(comm._store, mine, deadline)
+            else:  # (what the store's host waits for)
+                comm._store.set(f"{theirs}/read", "")
             return True, f"{needed}; it was waiting in {said} (this rank: {what})"
     except Exception:  # noqa: S110 - the store may be gone with its host: the plain message will do
         pass
     return False, f"{needed} (it reported no wait on this rank)"
 
 
-def _said_read(store: Any, mine: str, theirs: str, deadline: float) -> None:
-    """Tell the peer this rank read its wait, then wait (until ``deadline``) until it read this
-    rank's: a peer that hosts the store would otherwise raise and exit, taking the store with it,
-    between this rank's write and its read. The last reader may find the store gone: it has read."""
+def _wait_until_read(store: Any, mine: str, deadline: float) -> None:
+    """On the rank whose process serves the store: wait (until ``deadline``) until the peer has read
+    this rank's wait, since this rank may raise and exit next, taking the store with it."""
     try:
-        store.set(f"{mine}/read", "")
-        _appears(store, f"{theirs}/read", deadline)
+        _appears(store, f"{mine}/read", deadline)
     except Exception:  # noqa: S110 - see above
         pass
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import hashlib
 import multiprocessing as mp
+import multiprocessing.connection
 import multiprocessing.reduction
 import os
 import pickle
@@ -18,6 +19,7 @@ from typing import Any, TypeVar
 
 import cloudpickle
 import numpy as np
+import torch
 import torch.distributed as dist
 
 from .._context import use
@@ -50,66 +52,84 @@ def _failure(e: BaseException) -> _Got:
     return False, blob, f"{describe(e)}\n{tb}", time.time()
 
 
-def _die_with(parent: int) -> None:
-    """End this process soon after ``parent`` is gone (killed with SIGKILL, say): no orphan waits on
-    its queue. A thread that polls, not PDEATHSIG, which fires when the thread that started this
-    process ends (spawn() may run in a helper thread that a kept world outlives); the pid itself,
-    not this process's parent, which is the forkserver where there is one."""
+def _die_with_parent() -> None:
+    """End this process as soon as the process that called spawn() is gone (killed with SIGKILL,
+    say): no orphan waits on its queue. multiprocessing's sentinel of the parent reads end-of-file
+    when it dies, under either start method; PDEATHSIG would fire when the thread that started this
+    process ends (spawn() may run in a helper thread that a kept world outlives)."""
+    parent = mp.parent_process()
+    if parent is None:
+        return
+
     def watch() -> None:
-        while True:
-            try:
-                os.kill(parent, 0)
-            except (ProcessLookupError, PermissionError):  # (the latter: another user's process, its pid reused)
-                os._exit(1)
-            time.sleep(1.0)
+        mp.connection.wait([parent.sentinel])
+        os._exit(1)
 
     threading.Thread(target=watch, name="distcomm-spawn-parent-watch", daemon=True).start()
 
 
-class _Parent:
-    """What a rank takes from the process that called spawn(): its pid, environment and stdout and
-    stderr. A spawned process inherits them; a forkserver's child would have the server's, from
-    when it started, so they travel with the rank's arguments and the rank takes them first."""
+_PRELOAD = ["torch", "torch.distributed", "numpy", "cloudpickle"]
+"""What the forkserver imports once: the second and more of a rank's start. Each rank imports
+distcomm itself (0.2 s), after it took the caller's sys.path, which Python 3.11's forkserver does
+not use for its own imports."""
 
-    def __init__(self) -> None:
-        self.pid = os.getpid()
-        self.env = dict(os.environ)
+
+def _context() -> tuple[Any, bool]:
+    """Where ranks come from, and whether they fork: from a forkserver that imported torch once (on
+    Linux), so that a world starts in a fraction of a second; spawned afresh elsewhere (macOS
+    forbids forking after some of its frameworks load) or with DISTCOMM_SPAWN_METHOD=spawn."""
+    default = "forkserver" if sys.platform.startswith("linux") else "spawn"
+    method = os.environ.get("DISTCOMM_SPAWN_METHOD", default)
+    if method not in ("forkserver", "spawn"):
+        raise ValueError(f"DISTCOMM_SPAWN_METHOD must be 'forkserver' or 'spawn', got {method!r}")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(_PRELOAD)  # (for a forkserver not yet started in this process)
+    return ctx, method == "forkserver"
+
+
+class _Parent:
+    """What a forked rank takes from the process that called spawn(), as a spawned one inherits it:
+    the environment and stdout and stderr as they are at the call (a forkserver's child would have
+    the server's), fresh random states, and its atexit handlers run at the end."""
+
+    def __init__(self, forked: bool) -> None:
+        self.forked = forked
+        self.env = dict(os.environ) if forked else {}
         self.stdio: tuple[Any, ...] = ()
 
     def __reduce__(self) -> tuple[Any, ...]:  # the descriptors go as the start method passes them
-        return _Parent._rebuild, (self.pid, self.env, (multiprocessing.reduction.DupFd(1),
-                                                       multiprocessing.reduction.DupFd(2)))
+        stdio = (multiprocessing.reduction.DupFd(1), multiprocessing.reduction.DupFd(2)) if self.forked else ()
+        return _Parent._rebuild, (self.forked, self.env, stdio)
 
     @staticmethod
-    def _rebuild(pid: int, env: dict[str, str], stdio: tuple[Any, ...]) -> _Parent:
+    def _rebuild(forked: bool, env: dict[str, str], stdio: tuple[Any, ...]) -> _Parent:
         parent = _Parent.__new__(_Parent)
-        parent.pid, parent.env, parent.stdio = pid, env, stdio
+        parent.forked, parent.env, parent.stdio = forked, env, stdio
         return parent
 
     def adopt(self) -> None:
-        """In the rank: its parent's environment (as the one it started with) and output, numpy's
-        random state of its own (a fresh process seeds it anew), then a watch on the parent."""
-        os.environ.clear()
-        os.environ.update(self.env)
-        remember_starting_environment()
-        np.random.seed()
-        for target, passed in zip((1, 2), self.stdio, strict=True):
-            fd = passed.detach()
-            os.dup2(fd, target)
-            os.close(fd)
-        _die_with(self.pid)
+        """In the rank, first: what a spawned process would have had, then a watch on the parent."""
+        if self.forked:
+            os.environ.clear()
+            os.environ.update(self.env)
+            remember_starting_environment()
+            threads = os.environ.get("OMP_NUM_THREADS", "")
+            if threads.isdigit() and int(threads) > 0:  # (torch read it when the server imported it)
+                torch.set_num_threads(int(threads))
+            np.random.seed()
+            torch.seed()
+            for target, passed in zip((1, 2), self.stdio, strict=True):
+                fd = passed.detach()
+                os.dup2(fd, target)
+                os.close(fd)
+        _die_with_parent()
 
-
-def _context() -> Any:
-    """Where processes come from: a forkserver that imported torch and distcomm once, so that a rank
-    starts in a fork, not in the second or more each fresh interpreter takes to import torch; spawn
-    where there is no forkserver. (Its preload is set once, before it starts; a forkserver this
-    process already runs is used as it is.)"""
-    if "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])
-    return ctx
+    def leave(self) -> None:
+        """In the rank, last: a forkserver's child ends without running the atexit handlers (the
+        rank's unsent small messages among them, see ``_transfer.messages``): run them here."""
+        if self.forked:
+            atexit._run_exitfuncs()
 
 
 def _start(rank: int, world: int, url: str, backend: str, timeout: float, comm_kwargs: dict[str, Any]) -> Any:
@@ -118,9 +138,16 @@ def _start(rank: int, world: int, url: str, backend: str, timeout: float, comm_k
     return start_world(cls, url, rank, world, rank, **comm_kwargs)
 
 
-def _spawn_worker(rank: int, world: int, url: str, payload: bytes, out: Any, backend: str, timeout: float,
-                  parent: _Parent) -> None:
+def _rank(parent: _Parent, body: Callable[..., None], *args: Any) -> None:
+    """A rank's process: what it takes from the process that called spawn(), then ``body(*args)``."""
     parent.adopt()
+    try:
+        body(*args)
+    finally:
+        parent.leave()
+
+
+def _spawn_worker(rank: int, world: int, url: str, payload: bytes, out: Any, backend: str, timeout: float) -> None:
     reported = False
     try:
         fn, comm_kwargs = cloudpickle.loads(payload)
@@ -141,13 +168,12 @@ def _spawn_worker(rank: int, world: int, url: str, payload: bytes, out: Any, bac
 
 
 def _pool_worker(rank: int, world: int, url: str, inbox: Any, out: Any, backend: str, timeout: float,
-                 kwargs_blob: bytes, parent: _Parent) -> None:
+                 kwargs_blob: bytes) -> None:
     """A rank of a reused world: one communicator, then one function per job until told to stop.
 
     After each job it reports its call count; the parent keeps the world only while every rank
     succeeded, with the same count and an intact communicator.
     """
-    parent.adopt()
     try:
         comm = _start(rank, world, url, backend, timeout, cloudpickle.loads(kwargs_blob))
     except BaseException as e:
@@ -187,13 +213,13 @@ class _World:
     """Processes of a reused world, kept between spawn(..., reuse=True) calls with the same settings."""
 
     def __init__(self, world: int, backend: str, timeout: float, kwargs_blob: bytes) -> None:
-        ctx = _context()
+        ctx, forked = _context()
         self.out = ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(world)]
         url = f"tcp://127.0.0.1:{free_port()}"
-        self.procs = [ctx.Process(target=_pool_worker, name=f"distcomm-rank-{r}", daemon=True,
-                                  args=(r, world, url, self.inboxes[r], self.out, backend, timeout, kwargs_blob,
-                                        _Parent()))
+        self.procs = [ctx.Process(target=_rank, name=f"distcomm-rank-{r}", daemon=True,
+                                  args=(_Parent(forked), _pool_worker, r, world, url, self.inboxes[r], self.out,
+                                        backend, timeout, kwargs_blob))
                       for r in range(world)]
         for p in self.procs:
             p.start()
@@ -290,10 +316,12 @@ def spawn(fn: Callable[[Any], _R], world_size: int, *, backend: str = "gloo", ti
     Each process initializes a process group on a free local port, builds a GlooCommunicator (or
     NcclCommunicator with backend="nccl"), installs it with ``use()`` and calls ``fn(comm)``.
     ``fn`` may be a lambda or closure (cloudpickle); its return values come back in rank order.
-    The processes fork from multiprocessing's forkserver, which imported torch and distcomm once
-    (spawned afresh where there is none): a world starts in a fraction of a second, not the second
-    or more per process that importing torch takes. Each takes this process's environment, stdout
-    and stderr as a spawned one would.
+    On Linux the processes fork from multiprocessing's forkserver, which imported torch once: a
+    world starts in a fraction of a second, not the second or more per process that importing torch
+    takes. Each takes this process's environment, stdout and stderr at the call, and fresh random
+    states, as a spawned one would; but Python's string hashes are
+    seeded alike in every rank, and variables read only at torch's import (OMP_NUM_THREADS is
+    honoured) are the server's. DISTCOMM_SPAWN_METHOD=spawn spawns fresh interpreters instead.
 
     Args:
         fn: the per-rank function.
@@ -336,12 +364,13 @@ def spawn(fn: Callable[[Any], _R], world_size: int, *, backend: str = "gloo", ti
         else:
             world.close()
         return _results(got, world_size, timeout, return_exceptions)
-    ctx = _context()
+    ctx, forked = _context()
     out = ctx.Queue()
     url = f"tcp://127.0.0.1:{free_port()}"
     payload = dumps_code((fn, comm_kwargs))
-    procs = [ctx.Process(target=_spawn_worker, args=(r, world_size, url, payload, out, backend, timeout, _Parent()),
-                         name=f"distcomm-rank-{r}", daemon=True) for r in range(world_size)]
+    procs = [ctx.Process(target=_rank, args=(_Parent(forked), _spawn_worker, r, world_size, url, payload, out, backend,
+                                             timeout), name=f"distcomm-rank-{r}", daemon=True)
+             for r in range(world_size)]
     for p in procs:
         p.start()
     try:
