@@ -319,9 +319,9 @@ def spawn(fn: Callable[[Any], _R], world_size: int, *, backend: str = "gloo", ti
     On Linux the processes fork from multiprocessing's forkserver, which imported torch once: a
     world starts in a fraction of a second, not the second or more per process that importing torch
     takes. Each takes this process's environment, stdout and stderr at the call, and fresh random
-    states, as a spawned one would; but Python's string hashes are
-    seeded alike in every rank, and variables read only at torch's import (OMP_NUM_THREADS is
-    honoured) are the server's. DISTCOMM_SPAWN_METHOD=spawn spawns fresh interpreters instead.
+    states, as a spawned one would; but Python's string hashes are seeded alike in every rank, and
+    variables read only at torch's import (OMP_NUM_THREADS is honoured) are the server's.
+    DISTCOMM_SPAWN_METHOD=spawn spawns fresh interpreters instead.
 
     Args:
         fn: the per-rank function.
