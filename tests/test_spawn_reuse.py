@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
-import select
+import queue
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -56,40 +57,76 @@ def _running(pid: int) -> bool:
         return False
 
 
+def _start_script(tmp_path: Path, text: str) -> subprocess.Popen[str]:
+    script = tmp_path / "job.py"
+    script.write_text(text)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+class _Output:
+    """A job's output lines, read by a thread (a line the pipe's reader holds doesn't wake a select)."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.seen: list[str] = []
+        threading.Thread(target=lambda: [self.lines.put(line) for line in proc.stdout or ()], daemon=True).start()
+
+    def pids(self, prefix: str, count: int, seconds: float = 60) -> list[int]:
+        """The pids printed on lines that start with ``prefix``, once ``count`` of them are."""
+        pids: list[int] = []
+        deadline = time.monotonic() + seconds
+        while len(pids) < count and time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            self.seen.append(line)
+            if line.startswith(prefix):
+                pids += [int(p) for p in line.split()[1:]]
+        assert len(pids) == count, self.text()
+        return pids
+
+    def text(self) -> str:
+        while not self.lines.empty():
+            self.seen.append(self.lines.get())
+        return "".join(self.seen)[-3000:]
+
+
+def _end(proc: subprocess.Popen[str], pids: list[int]) -> None:
+    proc.kill()
+    proc.wait(10)
+    for pid in pids:
+        if _running(pid):
+            os.kill(pid, 9)
+
+
+def _still_running(pids: list[int], seconds: float) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while any(map(_running, pids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [p for p in pids if _running(p)]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_kept_worlds_end_promptly_at_exit_and_leave_no_process(tmp_path: Path) -> None:
-    script = tmp_path / "kept.py"
-    script.write_text(SCRIPT)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = _start_script(tmp_path, SCRIPT)
     pids: list[int] = []
     try:
-        assert proc.stdout is not None
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("PIDS"):
-                pids = [int(p) for p in line.split()[1:]]
-                break
-        assert len(pids) == 5, "".join(lines)[-3000:]
+        output = _Output(proc)
+        pids = output.pids("PIDS", 5, seconds=200)
         done = time.monotonic()
-        rest = proc.communicate(timeout=120)[0]
+        proc.wait(timeout=120)
         took = time.monotonic() - done
-        assert proc.returncode == 0, rest[-3000:]
+        assert proc.returncode == 0, output.text()
         # the bound catches 5 s per kept world (and more); the exit itself takes a second or two
         assert took < 8, f"exit took {took:.1f}s after the last spawn returned"
-        deadline = time.monotonic() + 3
-        while any(map(_running, pids)) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [p for p in pids if _running(p)], "a worker outlived the script"
+        assert not _still_running(pids, 3), "a worker outlived the script"
     finally:
-        proc.kill()
-        for pid in pids:
-            if _running(pid):
-                os.kill(pid, 9)
+        _end(proc, pids)
 
 
 def _environment_output_and_randomness(comm: object) -> tuple[str | None, float, float, str | None]:
@@ -141,34 +178,11 @@ ORPHAN_SCRIPT = textwrap.dedent("""
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_ranks_end_soon_after_the_process_that_spawned_them_is_killed(tmp_path: Path) -> None:
     """Killed and not yet reaped (a zombie, whose pid still answers), the caller is gone to its ranks."""
-    script = tmp_path / "orphans.py"
-    script.write_text(ORPHAN_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = _start_script(tmp_path, ORPHAN_SCRIPT)
     pids: list[int] = []
     try:
-        assert proc.stdout is not None
-        lines = []
-        deadline = time.monotonic() + 60
-        while len(pids) < 2 and time.monotonic() < deadline:
-            if not select.select([proc.stdout], [], [], 1.0)[0]:
-                continue
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if line.startswith("PID"):
-                pids.append(int(line.split()[1]))
-        assert len(pids) == 2, "".join(lines)[-3000:]
+        pids = _Output(proc).pids("PID", 2)
         proc.kill()  # not waited for until the ranks are checked: a zombie until then
-        deadline = time.monotonic() + 10
-        while any(map(_running, pids)) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [p for p in pids if _running(p)], "a rank outlived the process that spawned it"
+        assert not _still_running(pids, 10), "a rank outlived the process that spawned it"
     finally:
-        proc.kill()
-        proc.wait(10)
-        for pid in pids:
-            if _running(pid):
-                os.kill(pid, 9)
+        _end(proc, pids)
