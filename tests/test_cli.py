@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import io
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Sequence
 from contextlib import redirect_stdout
 from pathlib import Path
 
@@ -118,9 +121,30 @@ def test_bench_prints_a_table_beside_torch_and_plots(tmp_path: Path) -> None:
     (("frobnicate",), "invalid choice: 'frobnicate'"),
     (("check", "--bogus"), "unrecognized arguments: --bogus"),
 ])
-def test_bad_input_gets_usage_before_anything_starts(args: tuple[str, ...], said: str) -> None:
-    out = cli(*args, timeout=60)
-    assert out.returncode == 2 and said in out.stderr and "usage:" in out.stderr, out.stderr
+def test_bad_input_gets_usage_before_anything_starts(args: tuple[str, ...], said: str,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    err = usage_error(args, capsys)
+    assert said in err and "usage:" in err, err
+
+
+def usage_error(args: Sequence[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """What the command line's own function says on stderr when it ends with status 2, in this
+    process, having started nothing: the parsing is the point, and a fresh interpreter per case cost
+    a second of torch's import (the entry point itself: the next test)."""
+    from distcomm.__main__ import main
+
+    threads = threading.active_count()
+    with pytest.raises(SystemExit) as ended:
+        main(list(args))
+    err = capsys.readouterr().err
+    assert ended.value.code == 2, err
+    assert threading.active_count() == threads and not multiprocessing.active_children()
+    return err
+
+
+def test_bad_input_to_python_m_distcomm_gets_usage_and_exit_status_2() -> None:
+    out = cli("bench", "--sizes", "12Q", timeout=60)
+    assert out.returncode == 2 and "a size is a number of bytes" in out.stderr and "usage:" in out.stderr, out.stderr
 
 
 def _children(pid: int) -> list[int]:
