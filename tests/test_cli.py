@@ -133,12 +133,12 @@ def usage_error(args: Sequence[str], capsys: pytest.CaptureFixture[str]) -> str:
     a second of torch's import (the entry point itself: the next test)."""
     from distcomm.__main__ import main
 
-    threads = threading.active_count()
+    before = threading.active_count(), set(multiprocessing.active_children())
     with pytest.raises(SystemExit) as ended:
         main(list(args))
     err = capsys.readouterr().err
     assert ended.value.code == 2, err
-    assert threading.active_count() == threads and not multiprocessing.active_children()
+    assert (threading.active_count(), set(multiprocessing.active_children())) == before
     return err
 
 
