@@ -186,3 +186,9 @@ def test_ranks_end_soon_after_the_process_that_spawned_them_is_killed(tmp_path: 
         assert not _still_running(pids, 10), "a rank outlived the process that spawned it"
     finally:
         _end(proc, pids)
+
+
+def test_an_unknown_start_method_is_refused_before_anything_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DISTCOMM_SPAWN_METHOD", "fork")
+    with pytest.raises(ValueError, match="DISTCOMM_SPAWN_METHOD must be 'forkserver' or 'spawn', got 'fork'"):
+        spawn(_pid_and_serializer, 2, timeout=60, reuse=False)
