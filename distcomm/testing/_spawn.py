@@ -91,15 +91,17 @@ def _context() -> tuple[Any, bool]:
 class _Parent:
     """What a forked rank takes from the process that called spawn(), as a spawned one inherits it:
     the environment and stdout and stderr as they are at the call (a forkserver's child would have
-    the server's), fresh random states, and its atexit handlers run at the end."""
+    the server's), fresh random states, and its atexit handlers run at the end. ``env`` and
+    ``stdio`` (this process's descriptors for the rank's 1 and 2) give it others instead."""
 
-    def __init__(self, forked: bool) -> None:
+    def __init__(self, forked: bool, env: dict[str, str] | None = None, stdio: tuple[int, int] = (1, 2)) -> None:
         self.forked = forked
-        self.env = dict(os.environ) if forked else {}
+        self.env = dict(os.environ if env is None else env) if forked else {}
+        self.fds = stdio
         self.stdio: tuple[Any, ...] = ()
 
     def __reduce__(self) -> tuple[Any, ...]:  # the descriptors go as the start method passes them
-        stdio = (multiprocessing.reduction.DupFd(1), multiprocessing.reduction.DupFd(2)) if self.forked else ()
+        stdio = tuple(multiprocessing.reduction.DupFd(fd) for fd in self.fds) if self.forked else ()
         return _Parent._rebuild, (self.forked, self.env, stdio)
 
     @staticmethod
