@@ -1,17 +1,19 @@
 """Jobs whose ranks are real processes started as a job controller starts them (RANK, WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT: a launcher whose survivors live on), each printing JSON lines."""
+MASTER_ADDR, MASTER_PORT: a launcher whose survivors live on), each printing JSON lines. The
+processes fork from a server that imported torch (see ``_forked``)."""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 from typing import Any
 
 import distcomm
+
+from . import _forked
 
 WAIT = 120.0  # the bound on any one job here: a bug fails the test instead of hanging CI
 
@@ -59,7 +61,7 @@ ELASTIC_DDP = """
 
 
 def job(tmp_path: Path, source: str, world: int, *args: str, ranks: list[int] | None = None,
-         port: int | None = None, store_apart: bool = False) -> tuple[int, dict[int, subprocess.Popen[str]]]:
+         port: int | None = None, store_apart: bool = False) -> tuple[int, dict[int, Any]]:
     """Start ``source`` as ranks ``ranks`` (default: all) of a job of ``world``, as a job controller does;
     with ``store_apart``, the job's store is served elsewhere (on ``port``: see ``_store_apart``)."""
     script = tmp_path / "job.py"
@@ -70,12 +72,11 @@ def job(tmp_path: Path, source: str, world: int, *args: str, ranks: list[int] | 
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "RANK": str(r), "WORLD_SIZE": str(world),
                "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port), **({"DISTCOMM_STORE": "external"} if store_apart else {})}
-        procs[r] = subprocess.Popen([sys.executable, str(script), *args], env=env, cwd=tmp_path, text=True,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        procs[r] = _forked.start([str(script), *args], env, tmp_path)
     return port, procs
 
 
-def ended(procs: dict[int, subprocess.Popen[str]]) -> dict[int, tuple[int, list[Any], str]]:
+def ended(procs: dict[int, Any]) -> dict[int, tuple[int, list[Any], str]]:
     """Each rank's exit code, the JSON lines it printed, and its stderr; every process ended."""
     out = {}
     try:
