@@ -20,13 +20,16 @@ import pytest
 import distcomm
 from distcomm.testing import spawn
 
+from . import _forked
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    """``python -m distcomm *args`` in a process of its own (forked: see ``_forked``; the entry point
+    in a fresh interpreter: ``test_bad_input_to_python_m_distcomm_gets_usage_and_exit_status_2``)."""
     clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    return subprocess.run([sys.executable, "-m", "distcomm", *args], cwd=ROOT, env={**clean, **(env or {})},
-                          capture_output=True, text=True, timeout=timeout)
+    return _forked.run(["-m", "distcomm", *args], {**clean, **(env or {})}, ROOT, timeout)
 
 
 def test_env_says_what_it_reads_and_from_where() -> None:
@@ -143,7 +146,8 @@ def usage_error(args: Sequence[str], capsys: pytest.CaptureFixture[str]) -> str:
 
 
 def test_bad_input_to_python_m_distcomm_gets_usage_and_exit_status_2() -> None:
-    out = cli("bench", "--sizes", "12Q", timeout=60)
+    out = subprocess.run([sys.executable, "-m", "distcomm", "bench", "--sizes", "12Q"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
     assert out.returncode == 2 and "a size is a number of bytes" in out.stderr and "usage:" in out.stderr, out.stderr
 
 
