@@ -139,8 +139,9 @@ def _environment_output_and_randomness(comm: object) -> tuple[str | None, float,
     return mark, float(np.random.random()), float(torch.rand(1)), os.environ.get("DISTCOMM_TEST_GONE")
 
 
+# spawn: fresh interpreters, 7 s of CPU, in the slow tier
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+@pytest.mark.parametrize("method", ["forkserver", pytest.param("spawn", marks=pytest.mark.slow)])
 def test_ranks_take_this_processs_environment_output_and_fresh_randomness(
         method: str, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """The ranks fork from a server started earlier (by this test's first spawn, if no other): what
