@@ -57,13 +57,11 @@ class ThreadedJob:
     # ------------------------------------------------------------------ shrink
     def survivors(self, world: _World, membership: Membership) -> tuple[_World, Membership]:
         """The world and membership of ``world``'s survivors (the same for every survivor)."""
-        from ._threaded import _World
-
         with self._lock:
             if world not in self._next:
                 members = tuple(r for r in membership.job_ranks if r not in self._gone)
                 lost = tuple(r for r in membership.job_ranks if r in self._gone)
-                self._next[world] = (_World(len(members), job_ranks=members), Membership(members, lost))
+                self._next[world] = (type(world)(len(members), job_ranks=members), Membership(members, lost))
             return self._next[world]
 
     # ------------------------------------------------------------------ admit
@@ -82,19 +80,18 @@ class ThreadedJob:
             return tuple(sorted(r for r, comm in self._waiting.items() if comm is None and r not in members))
 
     def admitted(self, comm: ThreadedCommunicator, newcomers: tuple[int, ...]) -> tuple[_World, Membership]:
-        """The world and membership with ``newcomers`` in, each newcomer handed its communicator."""
-        from ._threaded import ThreadedCommunicator, _World
-
+        """The world and membership with ``newcomers`` in, each newcomer handed its communicator (of
+        ``comm``'s classes: ``_threaded`` imports this module)."""
         with self._changed:
             if comm._world not in self._next:
                 members = tuple(sorted((*comm.membership.job_ranks, *newcomers)))
-                world = _World(len(members), job_ranks=members)
+                world = type(comm._world)(len(members), job_ranks=members)
                 membership = Membership(members, admitted=newcomers)
                 self._next[comm._world] = (world, membership)
                 self._gone -= set(newcomers)  # (alive again: replaced)
                 for r in newcomers:
-                    self._waiting[r] = ThreadedCommunicator(world, members.index(r), **comm._job_settings(r, membership,
-                                                                                                        replacement=True))
+                    self._waiting[r] = type(comm)(world, members.index(r), **comm._job_settings(r, membership,
+                                                                                                replacement=True))
                 self._changed.notify_all()
             return self._next[comm._world]
 
