@@ -80,7 +80,7 @@ class ForkedScript:
         self.send_signal(signal.SIGKILL)
 
     def communicate(self, timeout: float | None = None) -> tuple[str, str]:
-        """Everything it writes to stdout and stderr until it ends, then its exit status."""
+        """Everything it writes to stdout and stderr until it ends; its exit status is then in ``returncode``."""
         got: dict[str, str] = {}
         readers = [threading.Thread(target=lambda n=name, f=f: got.__setitem__(n, f.read()), daemon=True)
                    for name, f in (("out", self.stdout), ("err", self.stderr))]
