@@ -125,3 +125,23 @@ def test_a_small_reduce_dict_rides_in_its_check_with_the_native_results(run: str
         assert got["calls carry=False"] == (12, 12), got["calls carry=False"]
     assert outs[0]["int mean carry=True"][0] == {"n": [float(2**62 + 1), -1.0]}
     assert outs[0]["uint64 max carry=True"][0] == {"u": [2**63 + 2, 2]}
+
+
+def _overflowing(comm: distcomm.Communicator) -> tuple[list[list[float]], list[str]]:
+    import warnings
+
+    big = torch.finfo(torch.float32).max
+    values = [big, -big, float("inf") * (1 if comm.rank == 0 else -1), 1.0]
+    ours, theirs = torch.tensor(values), torch.tensor(values)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        comm.all_reduce(ours)
+    dist.all_reduce(theirs, group=comm.group)
+    return [ours.tolist(), theirs.tolist()], [str(w.message) for w in caught]
+
+
+def test_a_carried_sum_that_overflows_gives_torchs_inf_and_nan_without_warnings() -> None:
+    """torch's ring sums to inf and nan silently; numpy's fold would warn, and must not."""
+    for (ours, theirs), caught in spawn(_overflowing, 2, timeout=120):
+        assert str(ours) == str(theirs) == str([float("inf"), float("-inf"), float("nan"), 2.0]), (ours, theirs)
+        assert caught == [], caught
