@@ -22,6 +22,7 @@ import pytest
 
 import distcomm
 import distcomm.testing
+from distcomm._elastic.liveness import alive
 from distcomm._launching.rendezvous import meet, serve_store
 
 from ._jobs import WAIT
@@ -679,6 +680,24 @@ HOLDS_THE_GIL = """
         print(json.dumps({"lost": e.ranks, "said": str(e)}), flush=True)
         time.sleep(3.0)  # (rank 0 serves the store: the others learn the loss from it first)
 """
+
+
+def test_a_killed_process_its_controller_has_not_reaped_yet_is_not_alive() -> None:
+    """A zombie's pid still answers kill(0); a job controller reaps its dead ranks when it gets to it
+    (the job tests' forked ranks are reaped at once, so this is tested here)."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert alive(proc.pid)
+        proc.kill()
+        stat = Path(f"/proc/{proc.pid}/stat")
+        deadline = time.monotonic() + 10
+        while stat.read_text().rpartition(")")[2].split()[0] != "Z" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert stat.read_text().rpartition(")")[2].split()[0] == "Z"  # (not waited for: a zombie)
+        assert not alive(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait(10)
 
 
 @pytest.mark.slow  # (a few seconds of real processes: the slow tier)
