@@ -1,6 +1,7 @@
 """``python -m distcomm run``: torchrun's flags and variables, a store that outlives any worker, lost
 workers started again while the others go on, a log per rank and per attempt, an exit status that
-names the failure. Run as users run it (the agent a subprocess, its workers real processes)."""
+names the failure. Run as users run it: the agent a process of its own (forked, see ``_forked``), its
+workers fresh interpreters that it starts."""
 
 from __future__ import annotations
 
