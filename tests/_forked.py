@@ -39,7 +39,8 @@ _RUNNING: set[ForkedScript] = set()  # (kept until they end: multiprocessing wai
 
 
 def _run(argv: list[str], cwd: str) -> None:
-    """In the child: what the interpreter does for ``python *argv`` run in ``cwd``, to its exit."""
+    """In the child: what the interpreter does for ``python *argv`` run in ``cwd``, to its exit
+    (``os._exit``: ``_rank``'s own way out, which runs atexit before threads end, is not taken)."""
     os.chdir(cwd)
     _as_a_main_process()
     code, interrupted = 0, False

@@ -97,7 +97,7 @@ class _Parent:
     def __init__(self, forked: bool, env: dict[str, str] | None = None, stdio: tuple[int, int] = (1, 2)) -> None:
         self.forked = forked
         self.env = dict(os.environ if env is None else env) if forked else {}
-        self.fds = stdio
+        self.fds: tuple[int, ...] = stdio
         self.stdio: tuple[Any, ...] = ()
 
     def __reduce__(self) -> tuple[Any, ...]:  # the descriptors go as the start method passes them
@@ -107,7 +107,7 @@ class _Parent:
     @staticmethod
     def _rebuild(forked: bool, env: dict[str, str], stdio: tuple[Any, ...]) -> _Parent:
         parent = _Parent.__new__(_Parent)
-        parent.forked, parent.env, parent.stdio = forked, env, stdio
+        parent.forked, parent.env, parent.fds, parent.stdio = forked, env, (), stdio  # (the rank's 1 and 2 now)
         return parent
 
     def adopt(self) -> None:
