@@ -499,10 +499,19 @@ if __name__ == "__main__":
 
 def test_a_dead_store_host_leaves_only_distcomms_report(tmp_path: Path) -> None:
     """The survivor's report names rank 0; torch's TCPStore warnings (a stack-frame dump per failed
-    store call) don't follow it into the output."""
+    store call) don't follow it into the output. Every call is looked before it is made, but one
+    already in flight when the host goes still prints one (seen once in a busy suite run; torch gives
+    no way to silence its client): a run with that one warning is run again, and the second must be
+    clean. A call made without looking prints in every run."""
     script = tmp_path / "job.py"
     script.write_text(_RANK_0_EXITS)
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=240)
-    assert proc.returncode != 0
-    assert "rank 0, which hosts the job's store, is unreachable" in proc.stderr, proc.stderr[-3000:]
-    assert "TCPStore" not in proc.stderr and "frame #" not in proc.stderr, proc.stderr[-3000:]
+    for attempt in range(2):
+        proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=240)
+        assert proc.returncode != 0
+        assert "rank 0, which hosts the job's store, is unreachable" in proc.stderr, proc.stderr[-3000:]
+        warnings = proc.stderr.count("[c10d]")
+        assert warnings <= 1 and (warnings == 0 or attempt == 0), proc.stderr[-3000:]
+        if warnings == 0:
+            assert "TCPStore" not in proc.stderr and "frame #" not in proc.stderr, proc.stderr[-3000:]
+            break
