@@ -455,28 +455,32 @@ with open(sys.argv[2], "w") as out:
 def _hydra_node(tmp_path: Any, node: int, per_node: int, world: int, **extra: str) -> subprocess.Popen[str]:
     """A stand-in for one machine's hydra_pmi_proxy: it starts its ranks as Hydra does (the variables
     of pmip_cb.c), each through a wrapper script (`mpiexec -n 2 ./wrap.sh`), so each rank's parent differs."""
-    (tmp_path / "wrap.sh").write_text('#!/bin/sh\n"$@"\n')
-    (tmp_path / "rank.py").write_text(_RANK)
+    # Each node writes its scripts in its own folder: rewriting one another's while a rank's shell
+    # reads it gave that shell an empty script (a rank that silently never ran).
+    scripts = tmp_path / f"node{node}"
+    scripts.mkdir(exist_ok=True)
+    (scripts / "wrap.sh").write_text('#!/bin/sh\n"$@"\n')
+    (scripts / "rank.py").write_text(_RANK)
     lines = ["#!/bin/sh"]
     for local in range(per_node):
         env = _hydra(node * per_node + local, world, per_node, **extra)
         assigned = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
-        lines.append(f"env {assigned} sh {tmp_path / 'wrap.sh'} {sys.executable} {tmp_path / 'rank.py'} "
+        lines.append(f"env {assigned} sh {scripts / 'wrap.sh'} {sys.executable} {scripts / 'rank.py'} "
                      f"{Path(distcomm.__file__).parent} {tmp_path / f'said{node}-{local}.json'} &")
     lines.append("wait")
-    proxy = tmp_path / f"node{node}" / "hydra_pmi_proxy"
-    proxy.parent.mkdir(exist_ok=True)
+    proxy = scripts / "hydra_pmi_proxy"
     proxy.write_text("\n".join(lines) + "\n")
     proxy.chmod(0o755)
     clean = {k: v for k, v in os.environ.items() if not k.startswith(_PREFIXES) and k not in _NAMES}
-    return subprocess.Popen([str(proxy)], stdout=subprocess.PIPE, text=True, env=clean)
+    return subprocess.Popen([str(proxy)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=clean)
 
 
 def _ranks_of(*nodes: subprocess.Popen[str]) -> list[LaunchEnv]:
-    for node in nodes:
-        node.communicate(timeout=60)
+    printed = [node.communicate(timeout=60)[0] for node in nodes]
     where = Path(nodes[0].args[0]).parent.parent  # each rank wrote what it found there
-    said = [json.loads((where / f"said{i}-{local}.json").read_text()) for i in range(len(nodes)) for local in range(2)]
+    files = [where / f"said{i}-{local}.json" for i in range(len(nodes)) for local in range(2)]
+    assert all(f.exists() for f in files), printed
+    said = [json.loads(f.read_text()) for f in files]
     return [LaunchEnv(s[0], s[1], s[2], 0, None, None, None, s[3], s[4], 0, s[6], s[5]) for s in said]
 
 
