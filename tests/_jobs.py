@@ -64,8 +64,9 @@ def job(tmp_path: Path, source: str, world: int, *args: str, ranks: list[int] | 
          port: int | None = None, store_apart: bool = False) -> tuple[int, dict[int, Any]]:
     """Start ``source`` as ranks ``ranks`` (default: all) of a job of ``world``, as a job controller does;
     with ``store_apart``, the job's store is served elsewhere (on ``port``: see ``_store_apart``)."""
-    script = tmp_path / "job.py"
-    script.write_text(textwrap.dedent(source))
+    script, written = tmp_path / "job.py", tmp_path / "job.py.new"
+    written.write_text(textwrap.dedent(source))
+    os.replace(written, script)  # whole: a rank of an earlier call may be reading it only now
     port = port or distcomm.free_port()
     procs = {}
     for r in range(world) if ranks is None else ranks:
