@@ -689,11 +689,13 @@ def test_a_killed_process_its_controller_has_not_reaped_yet_is_not_alive() -> No
     try:
         assert alive(proc.pid)
         proc.kill()
-        stat = Path(f"/proc/{proc.pid}/stat")
+        def state() -> str:  # the field after the name in /proc/<pid>/stat
+            return Path(f"/proc/{proc.pid}/stat").read_text().rpartition(")")[2].split()[0]
+
         deadline = time.monotonic() + 10
-        while stat.read_text().rpartition(")")[2].split()[0] != "Z" and time.monotonic() < deadline:
+        while state() != "Z" and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert stat.read_text().rpartition(")")[2].split()[0] == "Z"  # (not waited for: a zombie)
+        assert state() == "Z"  # (not waited for: a zombie)
         assert not alive(proc.pid)
     finally:
         proc.kill()
