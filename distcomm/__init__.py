@@ -49,6 +49,7 @@ from ._communicator import DEFAULT_TIMEOUT, Communicator
 from ._context import current, use
 from ._elastic.membership import Membership
 from ._errors import (
+    AuthenticationError,
     CollectiveError,
     CollectiveMismatchError,
     CollectiveTimeoutError,
@@ -76,7 +77,7 @@ __version__ = "0.1.0"
 for _cls in (Communicator, Handle, LocalCommunicator, GlooCommunicator, NcclCommunicator, OpStats, Serializer,
              PickleSerializer, SafeSerializer, DistCommError, CollectiveError, CollectiveMismatchError,
              CollectiveTimeoutError, CommunicatorStateError, FrameError, PayloadTooLargeError, PeerError,
-             RankFailedError, SerializationError, UnsafePayloadError, Membership):
+             RankFailedError, SerializationError, UnsafePayloadError, Membership, AuthenticationError):
     _cls.__module__ = __name__
 
 
@@ -89,6 +90,7 @@ def __getattr__(name: str) -> _Any:
     raise AttributeError(f"module 'distcomm' has no attribute {name!r}")
 
 __all__ = [
+    "AuthenticationError",
     "CollectiveError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",

@@ -12,6 +12,7 @@
         ├── CollectiveTimeoutError     a peer did not arrive within the timeout
         ├── PayloadTooLargeError       a rank's payload is over ``max_bytes``
         ├── PeerError                  a peer died or its connection closed
+        ├── AuthenticationError        a peer could not prove it holds the job's key
         └── FrameError                 bytes on the wire are not a valid distcomm frame
 
 Wrong arguments (a bad ``dst``, a non-dict to ``reduce_dict``) are ``ValueError`` or
@@ -26,6 +27,7 @@ import re
 from collections.abc import Sequence
 
 __all__ = [
+    "AuthenticationError",
     "CollectiveError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
@@ -84,6 +86,11 @@ class PayloadTooLargeError(CollectiveError):
 
 class PeerError(CollectiveError):
     """The transport lost a peer (it exited or its connection closed)."""
+
+
+class AuthenticationError(CollectiveError):
+    """A member of a new group could not prove it holds the job's key (an impostor in its place,
+    or a process started with another key): raised on every member, naming it."""
 
 
 class FrameError(CollectiveError):

@@ -24,6 +24,7 @@ import torch
 from ._agreement import where
 from ._errors import CommunicatorStateError
 from ._wire.memory import seconds
+from ._wire.serialization import carry_loader
 
 if TYPE_CHECKING:
     from ._communicator import Communicator
@@ -227,7 +228,9 @@ def as_caller(fn: Callable[[], _R]) -> Callable[[], _R]:
     would: its grad mode and inference mode (a new thread has grad on: a result would carry a
     grad_fn that the blocking call under no_grad doesn't), and its current CUDA device and stream
     (a new thread starts on device 0 and its default stream: received CUDA tensors would land on
-    device 0, and the caller's stream's work would not be ordered first)."""
+    device 0, and the caller's stream's work would not be ordered first); and the loader it chose
+    for what peers send (``loading_with``)."""
+    fn = carry_loader(fn)
     grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
     device, stream = (torch.cuda.current_device(), torch.cuda.current_stream()) if cuda else (None, None)

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import pickle
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from ._errors import CollectiveMismatchError
+from ._errors import CollectiveMismatchError, SerializationError, is_rank_loss
+from ._wire.serialization import SafeSerializer, loading_with
 
 if TYPE_CHECKING:
     from ._communicator import Communicator
@@ -27,19 +28,47 @@ _DIGEST_BYTES = 16
 _STATE_TAG = 0x3FFF_5A7E  # (tags are below 2**30)
 
 
-def sync_state(comm: Communicator, objects: tuple[Any, ...]) -> None:
+def sync_state(comm: Communicator, objects: tuple[Any, ...], allow: Iterable[Any] = ()) -> None:
     """``Communicator.sync_state``: every member ends with the state of the first member that is
-    not a newcomer; only members whose state differs receive it (only the objects that differ)."""
-    states, digests = _fingerprints(comm, objects, "sync_state")
-    src = _first_member(comm)
-    needed = {r: [i for i, d in enumerate(digests[r]) if d != digests[src][i]] for r in range(comm.world_size)}
-    if comm.rank == src:  # (one copy per rank that needs it, all on their way at once; none when all agree)
+    not a newcomer; only members whose state differs receive it (only the objects that differ).
+
+    What peers send is loaded with the safe loader (and the classes in ``allow``): state is
+    tensors and plain values, so even a member can send wrong numbers, never code."""
+    with loading_with(SafeSerializer(allow) if allow else _STATE_LOADER):
+        states, digests = _fingerprints(comm, objects, "sync_state")
+        src = _first_member(comm)
+        needed = {r: [i for i, d in enumerate(digests[r]) if d != digests[src][i]] for r in range(comm.world_size)}
+        if not any(needed.values()):
+            return
+        failure = _hand_over(comm, objects, states, src, needed)
+        said = comm.all_gather(failure)  # (the sender too learns that a load failed: no rank goes on alone)
+    failed = [(r, text) for r, text in enumerate(said) if text is not None]
+    if failed:
+        r, text = failed[0]
+        raise SerializationError(f"sync_state: rank(s) {[r for r, _ in failed]} could not load the state rank {src} "
+                                 f"sent; rank {r}: {text}", op="sync_state", ranks=[r for r, _ in failed])
+
+
+_STATE_LOADER = SafeSerializer()
+
+
+def _hand_over(comm: Communicator, objects: tuple[Any, ...], states: list[Any], src: int,
+               needed: dict[int, list[int]]) -> str | None:
+    """Send the objects each rank needs from ``src`` (one copy per rank, all on their way at once),
+    and load them where they arrive; why this rank couldn't load its own, or None."""
+    if comm.rank == src:
         sends = [comm.isend([states[i] for i in which], r, tag=_STATE_TAG) for r, which in needed.items() if which]
         for sent in sends:
             sent.wait()
     elif needed[comm.rank]:
-        for i, state in zip(needed[comm.rank], comm.recv(src, tag=_STATE_TAG), strict=True):
-            _load(objects[i], state)
+        try:
+            for i, state in zip(needed[comm.rank], comm.recv(src, tag=_STATE_TAG), strict=True):
+                _load(objects[i], state)
+        except (SerializationError, ValueError, TypeError, KeyError, RuntimeError) as e:
+            if is_rank_loss(e):
+                raise
+            return f"{type(e).__name__}: {e}"
+    return None
 
 
 def check_identical(comm: Communicator, objects: tuple[Any, ...]) -> None:

@@ -61,9 +61,11 @@ ELASTIC_DDP = """
 
 
 def job(tmp_path: Path, source: str, world: int, *args: str, ranks: list[int] | None = None,
-         port: int | None = None, store_apart: bool = False) -> tuple[int, dict[int, Any]]:
+         port: int | None = None, store_apart: bool = False, keyed: bool = True) -> tuple[int, dict[int, Any]]:
     """Start ``source`` as ranks ``ranks`` (default: all) of a job of ``world``, as a job controller does;
-    with ``store_apart``, the job's store is served elsewhere (on ``port``: see ``_store_apart``)."""
+    with ``store_apart``, the job's store is served elsewhere (on ``port``: see ``_store_apart``). Each
+    process gets the job's key (one per port, so that later calls for the same job give the same) as a
+    user gives it under such a launcher, unless not ``keyed``."""
     script, written = tmp_path / "job.py", tmp_path / "job.py.new"
     written.write_text(textwrap.dedent(source))
     os.replace(written, script)  # whole: a rank of an earlier call may be reading it only now
@@ -73,8 +75,16 @@ def job(tmp_path: Path, source: str, world: int, *args: str, ranks: list[int] | 
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "RANK": str(r), "WORLD_SIZE": str(world),
                "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port), **({"DISTCOMM_STORE": "external"} if store_apart else {})}
+        env.pop("DISTCOMM_JOB_KEY", None)
+        if keyed:
+            env["DISTCOMM_JOB_KEY"] = job_key_for(port)
         procs[r] = _forked.start([str(script), *args], env, tmp_path)
     return port, procs
+
+
+def job_key_for(port: int) -> str:
+    """The key ``job`` gives the processes of the job on ``port``."""
+    return f"the key of the test job on port {port}"
 
 
 def ended(procs: dict[int, Any]) -> dict[int, tuple[int, list[Any], str]]:

@@ -39,5 +39,5 @@ def test_an_elastic_job_sees_the_failure_too(tmp_path: Path) -> None:
         return (tmp_path / f"{i}.report").exists()
 
     failed = wait_elastic([_Done(), _ExitsWhileLookedAt(2)], 0.1, raised, 0, 0, lambda i: None,
-                          JobStore(None, "tcp://127.0.0.1:1"), print)
+                          JobStore(None, "tcp://127.0.0.1:1", None), print)
     assert list(failed) == [1]

@@ -53,7 +53,7 @@ class FormingFailed(PeerError):
 def publish_pid(seat: Seat) -> None:
     """Say where this process is, for members on the same machine to watch its pid, and who it is
     (host and pid), for a refusal to name it (``_membership.waiting_newcomers``)."""
-    seat.job.append(f"{seat.epoch}/pids/{machine()}", f"{seat.job_rank}:{process_id()[2]},")
+    seat.job.append_entry(f"{seat.epoch}/pids/{machine()}", f"{seat.job_rank}:{process_id()[2]}")
     seat.job.set(who_key(seat.epoch, seat.job_rank), seat.token)
 
 
@@ -132,12 +132,9 @@ class WatchedStore(_c10d.Store):  # type: ignore[misc]
                      if r in HOSTS_LOST or (r in self._pids and not alive(self._pids[r])))
 
     def _read_pids(self) -> None:
-        key = f"{self.seat.epoch}/pids/{machine()}"
-        if self.seat.job.check([key]):
-            for entry in self.seat.job.get(key).decode().split(","):
-                if entry:
-                    rank, _, pid = entry.partition(":")
-                    self._pids[int(rank)] = int(pid)
+        for entry in self.seat.job.entries(f"{self.seat.epoch}/pids/{machine()}"):
+            rank, _, pid = entry.partition(":")
+            self._pids[int(rank)] = int(pid)
 
     def _look(self) -> None:
         lost = self.lost()

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .._launching.rendezvous import Seat, tcp_store
+from .._launching.rendezvous import Seat, beat_key, tcp_store
 from .liveness import HOSTS_LOST, alive, lost_by_silence, readable
 
 __all__ = ["BEAT_SECONDS", "broken_key", "keep_alive"]
@@ -29,13 +29,13 @@ BEAT_SECONDS = 0.5
 class _Beat:
     """What the keep-alive thread does for one membership: beat as ``job_rank``, watch ``successor``."""
 
-    store: Any  # a client of its own
+    store: Any  # the job's records, on a client of its own
     epoch: str
     job_rank: int
     successor: int | None  # the next member, whose beat this process watches (None: alone)
     watch: socket.socket | None  # a connection to the store's port that only its end makes readable
     host_pid: int | None  # the store's host, where this machine sees it
-    seen: tuple[int, float] = (-1, 0.0)  # the successor's beat count, and when it last moved
+    seen: tuple[int, float] = (-1, 0.0)  # the successor's beat count, and when it last moved on
     pids: dict[int, int] = dataclasses.field(default_factory=dict)  # members' pids on this machine, by job rank
     broken: bool = False  # whether the membership was found broken
     on_broken: Callable[[], None] | None = None  # what that breaks (once)
@@ -59,8 +59,19 @@ class _StoreGone(Exception):
     pass
 
 
+_last_beat = [0]
+
+
+def _beat(beat: _Beat) -> None:
+    """Move this process's beat on: a signed count that only goes up, across memberships and
+    processes of one rank (milliseconds of the clock, at least one more than the last), so that a
+    beat replayed from earlier never looks like a new one."""
+    _last_beat[0] = max(_last_beat[0] + 1, time.time_ns() // 1_000_000)
+    beat.ask("set", beat_key(beat.job_rank), str(_last_beat[0]))
+
+
 class _KeepAlive:
-    """One thread per process that moves ``alive/<job rank>`` in the job's store every beat, on a
+    """One thread per process that moves its beat (``beat_key``) in the job's store every beat, on a
     connection of its own (a collective's wait never delays it), and watches the next member's
     beat: one that stops for ``LOSS_SECONDS`` (a lost host, whose connections nothing resets) is
     posted for the membership, and every process's waits then fail at their next slice, naming it.
@@ -168,7 +179,7 @@ def _follow(seat: Seat) -> _Beat | None:
         if beat.gone():
             raise _StoreGone
         beat.store = seat.job.clone()
-        beat.ask("add", f"alive/{seat.job_rank}", 1)
+        _beat(beat)
     except Exception:
         if watch is not None:
             watch.close()
@@ -184,21 +195,22 @@ def broken_key(epoch: str) -> str:
 
 def _once(beat: _Beat) -> None:
     """One beat: move this process's, look at the successor's, and at whether the membership broke."""
-    beat.ask("add", f"alive/{beat.job_rank}", 1)
+    _beat(beat)
     successor = beat.successor  # (read once: unwatch() may clear it meanwhile)
     if successor is not None:
-        key = f"alive/{successor}"
         now = time.monotonic()
-        value = int(beat.ask("add", key, 0))  # (its count in one call: 0 while it has not beaten yet)
-        if value != beat.seen[0]:
+        said = beat.ask("read", beat_key(successor))  # (None while it has not beaten yet)
+        value = int(said) if said and said.isdigit() else 0
+        if value > beat.seen[0]:
             beat.seen = (value, now)
         elif lost_by_silence(beat.pids.get(successor), now - beat.seen[1]):
             beat.ask("compare_set", f"{beat.epoch}/silent", "", str(successor))
             beat.ask("set", broken_key(beat.epoch), "silent")
     if not beat.broken:
         beat.broken = bool(beat.ask("check", [broken_key(beat.epoch)]))
-    if beat.broken and not HOSTS_LOST and beat.ask("check", [f"{beat.epoch}/silent"]):
-        HOSTS_LOST.append(int(beat.ask("get", f"{beat.epoch}/silent")))
+    silent = beat.ask("read", f"{beat.epoch}/silent") if beat.broken and not HOSTS_LOST else None
+    if silent:
+        HOSTS_LOST.append(int(silent))
     if beat.broken and beat.on_broken is not None:
         broken, beat.on_broken = beat.on_broken, None
         broken()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import secrets
 import time
 import warnings
 from collections.abc import Iterable
@@ -21,9 +22,11 @@ from typing import TYPE_CHECKING, Any
 
 from .._calls import CallSpec, Op
 from .._errors import CommunicatorStateError, DistCommError, PeerError
-from .._launching.rendezvous import Seat, admitted_key, admitted_seat, pid_key, ranks_in, refused_key, who_key
+from .._launching.rendezvous import Seat, admitted_key, admitted_seat, beat_of, pid_key, ranks_in, refused_key, who_key
 from .._state import check_identical, sync_state
 from .._transfer.transport import front_door
+from .._trust.key import KEY_FILE_VAR, KEY_VAR
+from .._trust.records import Records
 from .keepalive import broken_key, keep_alive
 from .liveness import HOSTS_LOST, alive, lost_by_silence
 
@@ -88,7 +91,7 @@ def _agree(seat: Seat, base: str, members: tuple[int, ...], pids: dict[int, int]
         leader = int(job.compare_set(f"{base}/leader", "", str(me)))
     except Exception as e:
         raise _store_lost(seat) from e
-    beats: dict[int, tuple[bytes, float]] = {}
+    beats: dict[int, tuple[int, float]] = {}
     next_look = 0.0
     while True:
         if keep_alive.store_gone():
@@ -109,12 +112,18 @@ def _agree(seat: Seat, base: str, members: tuple[int, ...], pids: dict[int, int]
         except Exception as e:
             raise _store_lost(seat) from e
         if not waiting or time.monotonic() > deadline:
-            proposal = f"epoch-{job.add('epochs', 1)}:{','.join(map(str, present))}"
+            proposal = f"{_new_epoch(job)}:{','.join(map(str, present))}"
             return _decision(job.compare_set(f"{base}/decision", "", proposal).decode())
         time.sleep(LEADER_POLL_SECONDS)
 
 
-def shrink_begun(job: Any, epoch: str) -> bool:
+def _new_epoch(job: Records) -> str:
+    """A new membership's name: numbered in order, and never one used before (its records signed
+    under an old name can't be replayed into it, whatever an outsider does to the counter)."""
+    return f"epoch-{job.add('epochs', 1)}-{secrets.token_hex(4)}"
+
+
+def shrink_begun(job: Records, epoch: str) -> bool:
     """Whether a member has begun to agree on the survivors of membership ``epoch`` (its first
     round of agreement has a leader)."""
     return bool(job.check([f"{_shrink_base(epoch)}/leader"]))
@@ -130,22 +139,22 @@ def _decision(text: str) -> tuple[str, tuple[int, ...]]:
     return epoch, tuple(int(r) for r in ranks.split(",") if r)
 
 
-def _gone(job: Any, rank: int, pids: dict[int, int], beats: dict[int, tuple[bytes, float]]) -> bool:
+def _gone(job: Records, rank: int, pids: dict[int, int], beats: dict[int, tuple[int, float]]) -> bool:
     """Whether job rank ``rank`` is gone: its process, where this machine sees it; its beat posted
     silent; or its beat standing still (``lost_by_silence``)."""
     pid = pids.get(rank)
     if (pid is not None and not alive(pid)) or rank in HOSTS_LOST:
         return True
     now = time.monotonic()
-    beat = job.get(f"alive/{rank}") if job.check([f"alive/{rank}"]) else b""
+    beat = beat_of(job, rank)
     last = beats.get(rank)
-    if last is None or last[0] != beat:
+    if last is None or beat > last[0]:
         beats[rank] = (beat, now)
         return False
     return lost_by_silence(pid, now - last[1])
 
 
-def _checked(seat: Seat) -> Any:
+def _checked(seat: Seat) -> Records:
     """The job's store, if its host is still there."""
     if keep_alive.store_gone():
         raise _store_lost(seat)
@@ -170,17 +179,17 @@ def waiting_newcomers(seat: Seat, members: Iterable[int],
     admit after their shrink lets it in. ``pids``: the members' on this machine, by job rank."""
     job = _checked(seat)
     rnd = f"round-{int(job.add('round', 0))}"
-    world = int(job.get(f"{rnd}/world") or 0) if job.check([f"{rnd}/world"]) else 0  # ("": a size refused)
+    world = int(job.read(f"{rnd}/world") or 0)  # ("": a size refused)
     members = set(members)
     newcomers: dict[int, str] = {}
     refused: dict[int, tuple[str, str]] = {}
     for r in range(world):
-        if not job.check([f"{rnd}/rank/{r}"]):
-            continue
-        token = job.get(f"{rnd}/rank/{r}").decode()
+        token = (job.read(f"{rnd}/rank/{r}") or b"").decode()
         if not token or job.check([f"{rnd}/{admitted_key(r, token)}"]) or job.check([f"{rnd}/{refused_key(r, token)}"]):
             continue
-        if r in members:
+        if job.key is None:
+            refused[r] = (token, _NO_KEY)
+        elif r in members:
             if _alive_member(job, seat.epoch, r, pids):
                 refused[r] = (token, f"rank {r} of the job is a member and alive ({_member_process(job, seat, r)}); "
                                      f"this process ({token}) was started as rank {r} too: a replacement takes the "
@@ -190,26 +199,32 @@ def waiting_newcomers(seat: Seat, members: Iterable[int],
     return rnd, newcomers, refused
 
 
-def _alive_member(job: Any, epoch: str, rank: int, pids: dict[int, int]) -> bool:
+_NO_KEY = (f"this job has no key, and only a job with one lets a process in once it runs (an outsider who can "
+           f"reach the store could join it otherwise): give every process of the job the same key, "
+           f"{KEY_VAR} (16 or more characters) or {KEY_FILE_VAR}; python -m distcomm run, launch() and "
+           f"testing.spawn() make one (docs/trust-model.md)")
+
+
+def _alive_member(job: Records, epoch: str, rank: int, pids: dict[int, int]) -> bool:
     """Whether member ``rank`` of membership ``epoch`` is alive: its process where this machine sees
     it, else its beat moved since the last admit looked (the first look is no proof: it waits for
     the next)."""
     pid = pids.get(rank)
     if pid is not None:
         return alive(pid)
-    beat = job.get(f"alive/{rank}") if job.check([f"alive/{rank}"]) else b""
+    beat = beat_of(job, rank)
     seen, _BEATS_SEEN[(epoch, rank)] = _BEATS_SEEN.get((epoch, rank)), beat
-    return seen is not None and seen != beat
+    return seen is not None and beat > seen
 
 
-_BEATS_SEEN: dict[tuple[str, int], bytes] = {}
+_BEATS_SEEN: dict[tuple[str, int], int] = {}
 """Each member's keep-alive count when an admit of its membership last looked (alive, it moves it)."""
 
 
-def _member_process(job: Any, seat: Seat, rank: int) -> str:
+def _member_process(job: Records, seat: Seat, rank: int) -> str:
     """The process of member ``rank`` as the rendezvous named it (host and pid), where it can be found."""
-    key = who_key(seat.epoch, rank)
-    return job.get(key).decode() if job.check([key]) else f"job rank {rank}"
+    said = job.read(who_key(seat.epoch, rank))
+    return said.decode() if said else f"job rank {rank}"
 
 
 def _decide(seat: Seat, members: tuple[int, ...], pids: dict[int, int]) -> tuple[str, tuple[int, ...]]:
@@ -223,22 +238,23 @@ def _decide(seat: Seat, members: tuple[int, ...], pids: dict[int, int]) -> tuple
         job.set(f"{rnd}/{refused_key(r, token)}", why)
     if not newcomers:
         return "", ()
-    epoch = f"epoch-{job.add('epochs', 1)}"
+    epoch = _new_epoch(job)
     job.set(f"{epoch}/members", ",".join(map(str, sorted((*members, *newcomers)))))
     job.set(f"{epoch}/admitted", ",".join(map(str, sorted(newcomers))))
     job.set(f"{epoch}/round", rnd)
     for r, token in newcomers.items():
         job.set(f"{epoch}/token/{r}", token)
-        if job.check([f"{rnd}/{pid_key(r, token)}"]):  # watched while the group forms, from the first try
-            where, _, pid = job.get(f"{rnd}/{pid_key(r, token)}").decode().partition(":")
-            job.append(f"{epoch}/pids/{where}", f"{r}:{pid},")
+        said = job.read(f"{rnd}/{pid_key(r, token)}")
+        if said:  # watched while the group forms, from the first try
+            where, _, pid = said.decode().partition(":")
+            job.append_entry(f"{epoch}/pids/{where}", f"{r}:{pid}")
     if job.compare_set(f"{seat.epoch}/successor", "", f"admit:{epoch}").decode() != f"admit:{epoch}":
         return "", ()
     tell_newcomers(job, epoch)
     return epoch, tuple(sorted(newcomers))
 
 
-def tell_newcomers(job: Any, epoch: str) -> None:
+def tell_newcomers(job: Records, epoch: str) -> None:
     """Let the newcomers of membership ``epoch`` in: each leaves its wait in the round, and its
     place there is freed (the round counts only processes still waiting). Done again by any member
     that finds the membership after a lost rank 0 (which may have told only some); the place is
@@ -404,7 +420,7 @@ class ElasticMethods:
         comm._check_usable()
         return comm
 
-    def sync_state(self, *objects: Any) -> None:
+    def sync_state(self, *objects: Any, allow: Iterable[Any] = ()) -> None:
         """Make every member's training state that of the first member that is not a newcomer:
         after ``admit()`` (the newcomers need it) or ``shrink()`` (a failed step may be half applied).
 
@@ -412,9 +428,15 @@ class ElasticMethods:
         scheduler, a grad scaler) or dicts (updated in place), in the same order on every rank.
         Members compare fingerprints first; only those whose state differs receive it, and only
         the objects that differ: nothing but the fingerprints moves when all agree. Collective.
+
+        What a peer sends is loaded with the safe loader (``SafeSerializer``): what models,
+        optimizers, schedulers and grad scalers hold (tensors, numbers, strings, dicts, lists, a
+        state dict's OrderedDict) loads; code never runs, whoever sent it. ``allow``: classes of
+        your own that the state holds (as ``SafeSerializer(allow=...)``). A state that a rank
+        can't load fails the call on every rank.
         """
         comm = front_door(self)
-        sync_state(comm, objects)
+        sync_state(comm, objects, allow)
 
     def check_identical(self, *objects: Any) -> None:
         """Raise CollectiveMismatchError on every rank when the members' states differ, naming the

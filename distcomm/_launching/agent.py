@@ -22,6 +22,7 @@ import threading
 from collections.abc import Sequence
 from typing import IO, Any
 
+from .._trust.key import KEY_FILE_VAR, KEY_VAR, job_key, key_given, new_key
 from .launch import _end
 from .ports import free_port
 from .rank_output import log_name
@@ -66,6 +67,14 @@ class Job:
             return "a job of several machines needs --master-port (and --master-addr: the first machine's address)"
         if not 0 <= self.master_port < 65536:
             return f"--master-port {self.master_port} is not a port"
+        try:
+            keyed = job_key() is not None
+        except ValueError as e:
+            return str(e)
+        if self.nnodes > 1 and self.replacements and not keyed:
+            return (f"--replacements let processes into a running job, and only holders of the job's key come in: "
+                    f"give every machine's agent the same one ({KEY_VAR}, 16 or more characters, or {KEY_FILE_VAR}); "
+                    f"a job on one machine makes its own")
         return ""
 
 
@@ -148,8 +157,9 @@ def _copy(pipe: IO[bytes] | None, out: IO[str], tag: str, log: IO[str] | None, l
     pipe.close()
 
 
-def worker_env(job: Job, local_rank: int, run_id: str) -> dict[str, str]:
-    """The variables torchrun sets for a worker, so that a torch script (and ``from_env()``) runs as under it."""
+def worker_env(job: Job, local_rank: int, run_id: str, key: str | None) -> dict[str, str]:
+    """The variables torchrun sets for a worker, so that a torch script (and ``from_env()``) runs as under it,
+    and the job's ``key`` where this agent made it (else the worker inherits the agent's)."""
     rank = job.node_rank * job.nproc_per_node + local_rank
     env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(job.world),
            "LOCAL_WORLD_SIZE": str(job.nproc_per_node), "GROUP_RANK": str(job.node_rank),
@@ -159,6 +169,8 @@ def worker_env(job: Job, local_rank: int, run_id: str) -> dict[str, str]:
            "TORCHELASTIC_USE_AGENT_STORE": "True", "PYTHONUNBUFFERED": "1"}
     if job.nproc_per_node > 1:
         env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: n processes sharing the cores
+    if key is not None:
+        env[KEY_VAR] = key
     return env
 
 
@@ -175,9 +187,10 @@ def run_job(job: Job) -> int:
     first = job.node_rank * job.nproc_per_node
     attempts = [0] * job.nproc_per_node
     started: list[_Worker] = []
+    made = new_key() if job.nnodes == 1 else None  # (across machines, the one every agent was given)
 
     def start(local: int) -> _Worker:
-        worker = _Worker(job, first + local, attempts[local], worker_env(job, local, "none"), lock)
+        worker = _Worker(job, first + local, attempts[local], worker_env(job, local, "none", made), lock)
         attempts[local] += 1
         started.append(worker)
         return worker
@@ -185,7 +198,7 @@ def run_job(job: Job) -> int:
     workers = [start(i) for i in range(job.nproc_per_node)]
     previous = signal.signal(signal.SIGTERM, _as_interrupt)
     try:
-        view = JobStore(store, f"tcp://{job.master_addr}:{job.master_port}")
+        view = JobStore(store, f"tcp://{job.master_addr}:{job.master_port}", key_given(made))
         failed = wait_elastic(workers, _GRACE, lambda i, code: _fails_the_job(code, view), first, job.replacements,
                               start, view, _say)
         if failed:

@@ -33,6 +33,7 @@ from .._elastic.waits import WAITERS
 from .._errors import DistCommError, RankFailedError, clipped
 from .._local import LocalCommunicator
 from .._torch import GlooCommunicator, NcclCommunicator
+from .._trust.key import KEY_FILE_VAR, KEY_VAR, job_key, key_given, new_key
 from .._wire.memory import seconds as _seconds
 from .._wire.serialization import dumps_code
 from .from_env import machines_under, run_here
@@ -155,8 +156,11 @@ def _stacks_on_request(reports: str, index: int) -> None:
 
 def _worker(
     local_rank: int, payload: bytes, per_machine: int, num_machines: int, machine_rank: int,
-    url: str, backend: str, timeout: float, parent: int, reports: str, hosted: bool, output: RankOutput,
+    url: str, backend: str, timeout: float, parent: int, reports: str, hosted: bool, key: str | None,
+    output: RankOutput,
 ) -> None:
+    if key is not None:  # (the job's key, made by launch(): in the environment, as under the run command)
+        os.environ[KEY_VAR] = key
     output.install(machine_rank * per_machine + local_rank)
     _die_with(parent)
     _stacks_on_request(reports, local_rank)
@@ -410,6 +414,10 @@ def _checked(main_func: Any, num_processes_per_machine: int | None, num_gpus_per
         raise ValueError(f"replacements must be an int >= 0, got {replacements!r}")
     if replacements and not elastic:
         raise ValueError("replacements start lost ranks again in an elastic job: pass elastic=True too")
+    if job_key() is None and replacements and num_machines > 1:  # (a bad key is refused here too)
+        raise ValueError(f"replacements let processes into a running job, and only holders of the job's key come "
+                         f"in: give every machine's launch() the same one ({KEY_VAR}, 16 or more characters, or "
+                         f"{KEY_FILE_VAR}); a job on one machine makes its own")
     return num_processes_per_machine, backend
 
 
@@ -432,16 +440,17 @@ def _run_processes(main_func: Callable[..., Any], args: Sequence[Any], per_machi
     processes: list[Any] = []
     reports = tempfile.mkdtemp(prefix="distcomm-launch-")
     served = serve_store(dist_url, per_machine * num_machines, seconds) if elastic and machine_rank == 0 else None
+    made = new_key() if num_machines == 1 else None  # (across machines, the key each launch() was given)
     worker_args = (dumps_code((main_func, tuple(args))), per_machine, num_machines, machine_rank, dist_url, backend,
-                   seconds, os.getpid(), reports, not elastic, output)
+                   seconds, os.getpid(), reports, not elastic, made, output)
     try:
         context = mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
             _worker, args=worker_args, nprocs=per_machine, join=False, start_method="spawn")
         processes = list(context.processes)
         if elastic:
+            view = JobStore(served, dist_url, key_given(made))
             failed = wait_elastic(processes, _GRACE, lambda i, _: os.path.exists(os.path.join(reports, f"{i}.report")),
-                                  first, replacements, _starter(worker_args), JobStore(served, dist_url),
-                                  saying("distcomm.launch"))
+                                  first, replacements, _starter(worker_args), view, saying("distcomm.launch"))
         else:
             failed = wait_until_failure(processes, _GRACE)
         if failed:

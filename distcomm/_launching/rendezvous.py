@@ -36,9 +36,11 @@ import torch
 
 from .._elastic.liveness import machine, readable
 from .._errors import CollectiveTimeoutError, CommunicatorStateError, DistCommError, PeerError
+from .._trust.key import KEY_VAR, JobKey
+from .._trust.records import Records
 
-__all__ = ["Seat", "admitted_key", "admitted_seat", "meet", "parse_url", "pid_key", "ranks_in",
-           "moving", "refused_key", "serve_store", "tcp_store", "unreachable_here", "unresolved", "who_key"]
+__all__ = ["Seat", "admitted_key", "admitted_seat", "beat_key", "beat_of", "meet", "parse_url", "pid_key",
+           "ranks_in", "moving", "refused_key", "serve_store", "tcp_store", "unreachable_here", "unresolved", "who_key"]
 
 POLL_FIRST, POLL_LAST = 0.01, 0.5
 """Seconds between looks at the store while a process waits for its round: soon at first (ranks
@@ -61,13 +63,13 @@ def parse_url(url: str) -> tuple[str, int]:
 class Seat:
     """Where a process sits in its job once it has met the others.
 
-    ``job`` is the job's store (every key of the job under it), ``epoch`` the prefix under which
+    ``job`` is the job's records (signed with its key, where it has one), ``epoch`` the prefix under which
     this membership's group keeps its keys, ``job_rank`` the place the launcher gave the process,
     ``members`` the job ranks of the group it joins (its rank there is their index), ``token``
     what tells this process from an earlier one of the same rank, and ``admitted`` the members let
     in by ``Communicator.admit`` rather than met in a round."""
 
-    job: Any
+    job: Records
     epoch: str
     job_rank: int
     members: tuple[int, ...]
@@ -79,7 +81,7 @@ class Seat:
     @property
     def store(self) -> Any:
         """The store the group of this membership keeps its keys in."""
-        return _c10d().PrefixStore(self.epoch, self.job)
+        return _c10d().PrefixStore(self.epoch, self.job.raw)  # (torch's own keys: see _trust.handshake)
 
     @property
     def rank(self) -> int:
@@ -87,12 +89,13 @@ class Seat:
 
 
 def meet(host: str, port: int, rank: int, world: int, seconds: float, *, scope: str = "",
-         hosted: bool = True, what: str = "the rendezvous") -> Seat:
+         hosted: bool = True, what: str = "the rendezvous", key: JobKey | None = None) -> Seat:
     """Meet the other ranks of ``world`` at the store at ``host:port``; return this process's seat.
 
     Rank 0 serves the store unless ``hosted`` is False (a launcher's process does). A process that
     finds the job already running (its round complete without it) waits to be let in by the
-    members' ``admit()``, or for a round of every rank (a restart of the whole job).
+    members' ``admit()``, or for a round of every rank (a restart of the whole job). Its records
+    are signed with ``key``, the job's (see ``_trust``).
 
     Raises:
         CollectiveTimeoutError: the store or some ranks didn't come within ``seconds``; names them.
@@ -102,16 +105,16 @@ def meet(host: str, port: int, rank: int, world: int, seconds: float, *, scope: 
     deadline = time.monotonic() + seconds
     where = f"{what} at {host}:{port}"
     served = hosted and rank == 0 and port not in _SERVED
-    token = f"{socket.gethostname()} pid {os.getpid()} {secrets.token_hex(4)}"
+    token = f"{socket.gethostname()} pid {os.getpid()} {secrets.token_hex(8)}"
     try:
         raw = _connect(host, port, rank, world, seconds, hosted, where)
     except CommunicatorStateError:
         if served:  # another rank 0 of this job may hold the port: name it where it can be found
-            _name_rank_0(host, port, scope, token, where)
+            _name_rank_0(host, port, scope, token, where, key)
         raise
     watch = _StoreWatch(host, port, hosted=hosted, serving=served)
     try:
-        job = _c10d().PrefixStore(f"distcomm/{scope}", raw)
+        job = Records(_c10d().PrefixStore(f"distcomm/{scope}", raw), key, f"distcomm/{scope}/")
         number = _take_place(job, rank, world, token, where)
         job.set(f"round-{number}/{pid_key(rank, token)}", f"{machine()}:{os.getpid()}")  # (see pid_key)
         seat = _wait_for_round(job, number, rank, world, token, deadline, seconds, where, watch)
@@ -122,22 +125,21 @@ def meet(host: str, port: int, rank: int, world: int, seconds: float, *, scope: 
         watch.close()
     # A failed rendezvous lets go of the port it opened: nothing may hold the store, and the
     # error's traceback (its frames hold it) goes.
-    raw = job = None
+    raw = job = None  # type: ignore[assignment]
     if served:
         _SERVED.pop(port, None)
     error.__context__ = None
     raise error.with_traceback(None)
 
 
-def _name_rank_0(host: str, port: int, scope: str, token: str, where: str) -> None:
+def _name_rank_0(host: str, port: int, scope: str, token: str, where: str, key: JobKey | None) -> None:
     """Raise ValueError naming both processes where the store at ``host:port`` is this job's, and
     a rank 0 of it serves there (two processes started as rank 0); else return."""
     try:
-        job = _c10d().PrefixStore(f"distcomm/{scope}",
-                                  _c10d().TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=2)))
+        raw = _c10d().TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=2))
+        job = Records(_c10d().PrefixStore(f"distcomm/{scope}", raw), key, f"distcomm/{scope}/")
         number = int(job.add("round", 0))
-        key = f"round-{number}/rank/0"
-        holder = job.get(key).decode() if job.check([key]) else ""
+        holder = (job.read(f"round-{number}/rank/0") or b"").decode()
     except Exception:  # not a store, or not this job's: the port is simply taken
         return
     if holder:
@@ -145,15 +147,16 @@ def _name_rank_0(host: str, port: int, scope: str, token: str, where: str) -> No
                          f"this one ({token}) came too; start each rank once") from None
 
 
-def _take_place(job: Any, rank: int, world: int, token: str, where: str) -> int:
+def _take_place(job: Records, rank: int, world: int, token: str, where: str) -> int:
     """This rank's place in the open round (a new one, or its earlier process's); the round's number.
 
     Refused, naming both processes and both sizes: a world size other than the round's (or, for a
     replacement, other than the running job's). A process whose place another takes (a restart, or
     two processes started as one rank) is told at its next look (``_wait_for_round``)."""
     number = int(job.add("round", 0))
+    _check_keyed(job, number, where)
     while True:
-        rnd = _c10d().PrefixStore(f"round-{number}", job)
+        rnd = job.under(f"round-{number}")
         _check_world(job, rnd, number, world, token, where)
         held = rnd.compare_set(f"rank/{rank}", "", token).decode()
         if held == token:  # a place of its own: the last rank to take one completes the round
@@ -168,15 +171,28 @@ def _take_place(job: Any, rank: int, world: int, token: str, where: str) -> int:
         return number
 
 
-def _check_world(job: Any, rnd: Any, number: int, world: int, token: str, where: str) -> None:
+_KEYED = "keyed"
+"""A plain mark, set by the job's first rank 0: whether the job has a key. It decides nothing (an
+outsider may write it); it lets a process started without the key say why it can't come in."""
+
+
+def _check_keyed(job: Records, number: int, where: str) -> None:
+    """Mark a job with a key as such at its start; refuse to join one without holding its key."""
+    if number == 0 and job.key is not None:
+        job.raw.compare_set(_KEYED, "", "1")
+    elif number > 0 and job.key is None and job.raw.check([_KEYED]):
+        raise ValueError(f"{where}: this job has a key, and this process was started without it: give it the "
+                         f"job's key as its other processes have it ({KEY_VAR}: docs/trust-model.md)")
+
+
+def _check_world(job: Records, rnd: Records, number: int, world: int, token: str, where: str) -> None:
     """Refuse a world size other than the round's, naming the process that set it; and, for a
     replacement (the round before is complete and its members beat on), other than the job's,
     before it writes its own anywhere."""
-    earlier = _c10d().PrefixStore(f"round-{number - 1}", job) if number else None
-    if earlier is not None and earlier.check(["complete"]):
-        running = int(earlier.get("world"))
-        if running != world and moving(job, [f"alive/{r}" for r in range(running)]):
-            raise ValueError(f"{where}: this process ({token}) says the job has {world} ranks, but the members of "
+    earlier = job.under(f"round-{number - 1}") if number else None
+    running = int(earlier.read("world") or 0) if earlier is not None and earlier.check(["complete"]) else 0
+    if running and running != world and moving(job, [beat_key(r) for r in range(running)]):
+        raise ValueError(f"{where}: this process ({token}) says the job has {world} ranks, but the members of "
                              f"the running job: {running}; start every rank with the same world size")
     said = rnd.compare_set("world", "", f"{world}").decode()
     if said == str(world):
@@ -194,22 +210,35 @@ def tcp_store(store: Any) -> Any:
     return store if store is not None and type(store).__name__ == "TCPStore" else None
 
 
-def moving(store: Any, keys: list[str], seconds: float = 1.2) -> bool:
-    """Whether any of the counts at ``keys`` moves within ``seconds`` (a process beats or looks there)."""
-    def counts() -> list[bytes]:
-        return [store.get(k) if store.check([k]) else b"" for k in keys]
-
-    before = counts()
+def moving(job: Records, beats: list[str], seconds: float = 1.2) -> bool:
+    """Whether any of the keep-alive beats at ``beats`` moves on within ``seconds``."""
+    before = [_count(job, b) for b in beats]
     time.sleep(seconds)
-    return counts() != before
+    return any(_count(job, b) > n for b, n in zip(beats, before, strict=True))
 
 
-def _wait_for_round(job: Any, number: int, rank: int, world: int, token: str, deadline: float,
+def beat_key(job_rank: int) -> str:
+    """Where the keep-alive of ``job_rank``'s process beats: a signed count that only goes up (a
+    record replayed from earlier doesn't look like a beat)."""
+    return f"alive/{job_rank}"
+
+
+def beat_of(job: Records, job_rank: int) -> int:
+    """The last beat of ``job_rank``'s keep-alive (0: none, or none signed with the job's key)."""
+    return _count(job, beat_key(job_rank))
+
+
+def _count(job: Records, name: str) -> int:
+    value = job.read(name)
+    return int(value) if value and value.isdigit() else 0
+
+
+def _wait_for_round(job: Records, number: int, rank: int, world: int, token: str, deadline: float,
                     seconds: float, where: str, watch: _StoreWatch) -> Seat:
     """Wait until round ``number`` is complete, or the members let this rank in; ``watch`` is looked at
     before each look at the store (torch's client prints a page of C++ frames for a call to a store
     that is gone)."""
-    rnd = _c10d().PrefixStore(f"round-{number}", job)
+    rnd = job.under(f"round-{number}")
     found: list[str] = []
     holder = token
     pause = POLL_FIRST
@@ -218,7 +247,7 @@ def _wait_for_round(job: Any, number: int, rank: int, world: int, token: str, de
             if watch.gone():
                 raise watch.went_away(rank, where)
             found = [k for k in ("complete", admitted_key(rank, token), refused_key(rank, token)) if rnd.check([k])]
-            holder = rnd.get(f"rank/{rank}").decode()  # (another process in this place: told at once)
+            holder = (rnd.read(f"rank/{rank}") or b"").decode()  # (another process in this place: told at once)
             if found or time.monotonic() > deadline or holder not in (token, ""):
                 break
             time.sleep(pause)
@@ -261,7 +290,7 @@ def who_key(epoch: str, job_rank: int) -> str:
     return f"{epoch}/who/{job_rank}"
 
 
-def admitted_seat(job: Any, epoch: str, rank: int, token: str, where: str, *, hosted: bool = True) -> Seat:
+def admitted_seat(job: Records, epoch: str, rank: int, token: str, where: str, *, hosted: bool = True) -> Seat:
     """The seat of a process in the membership ``epoch`` that an ``admit()`` made."""
     members, admitted = ranks_in(job.get(f"{epoch}/members")), ranks_in(job.get(f"{epoch}/admitted"))
     return Seat(job, epoch, rank, members, token, where, hosted, admitted)
@@ -272,7 +301,7 @@ def ranks_in(text: bytes) -> tuple[int, ...]:
     return tuple(int(r) for r in text.decode().split(",") if r)
 
 
-def _missing(rnd: Any, rank: int, world: int, seconds: float, where: str, watch: _StoreWatch) -> DistCommError:
+def _missing(rnd: Records, rank: int, world: int, seconds: float, where: str, watch: _StoreWatch) -> DistCommError:
     """What the wait for the other ranks ran into: who never arrived, or the store went away."""
     try:
         missing = [r for r in range(world) if not rnd.check([f"rank/{r}"])]
@@ -280,8 +309,8 @@ def _missing(rnd: Any, rank: int, world: int, seconds: float, where: str, watch:
         return watch.went_away(rank, where)
     return CollectiveTimeoutError(
         f"{where} did not complete within {seconds:g} s: rank {rank} waited for rank(s) {_ranks(missing)} of "
-        f"{world}, which never arrived (not started, or started with other variables)", op="rendezvous",
-        ranks=missing)
+        f"{world}, which never arrived (not started, or started with other variables"
+        f"{', or with another job key' if rnd.key else ''})", op="rendezvous", ranks=missing)
 
 
 class _StoreWatch:

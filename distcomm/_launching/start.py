@@ -29,6 +29,8 @@ from .._elastic.keepalive import keep_alive
 from .._elastic.membership import job_pids, reformed, shrink_begun, successor
 from .._errors import CommunicatorStateError, PeerError
 from .._transfer.messages import settle_limit
+from .._trust.handshake import prove_members
+from .._trust.key import job_key
 from .._wire.memory import seconds as _seconds
 from .launchers import LaunchEnv
 from .ports import free_port
@@ -84,15 +86,17 @@ def start_world(
 
     The one place that starts a job's group: used by ``from_env``, ``launch`` and
     ``distcomm.testing.spawn``. ``url`` (tcp://host:port), ``scope`` and ``hosted`` say where the
-    ranks meet (see ``meet``); ``launcher`` names what started the process. For NCCL it binds
+    ranks meet (see ``meet``), under the job's key where the environment gives one (``job_key``);
+    ``launcher`` names what started the process. For NCCL it binds
     ``cuda:<local_rank % device_count>`` first. The communicator becomes the process-wide default
     (``distcomm.current()`` in every thread) until it is closed.
     """
     seconds = _seconds(timeout, DEFAULT_TIMEOUT)
     assert seconds is not None
     host, port = parse_url(url)
+    key = job_key()  # (before anything connects: a bad key is refused on this rank alone, at once)
     seat = meet(host, port, rank, world, seconds, scope=scope, hosted=hosted,
-                what=f"{launcher}'s rendezvous" if launcher else "the rendezvous")
+                what=f"{launcher}'s rendezvous" if launcher else "the rendezvous", key=key)
     if cls.backend == "nccl" and "device" not in kwargs:
         if not torch.cuda.is_available():
             raise CommunicatorStateError(
@@ -157,6 +161,7 @@ def _form(cls: type[_TorchCommunicator], seat: Seat, store: WatchedStore, second
             dist.init_process_group("nccl", store=store, rank=rank, world_size=world, timeout=td, device_id=device)
         else:
             init_gloo(store, rank, world, td, lazily=not seat.epoch.startswith("round-"))
+        prove_members(seat.job.key, seat.epoch, seat.members, kwargs.get("device"))  # (before set-up loads a byte)
         pids = store.known_pids(refresh=True)
         comm = cls(None, _owns_default=True, _pids={i: pids[r] for i, r in enumerate(seat.members) if r in pids},
                    _seat=seat, **kwargs)

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 
 from .._elastic.liveness import machine
+from .._trust.key import JobKey
+from .._trust.records import Records
 from .rendezvous import moving
 
 __all__ = ["JobStore", "how_it_ended", "saying", "wait_elastic", "wait_until_failure"]
@@ -49,18 +51,21 @@ class JobStore:
     """A launcher's look at the job's store, served by this process (``served``) or asked as a
     client at ``url``: which of this machine's processes the members let in, whether members still
     beat anywhere, whether the workers use distcomm's membership at all. Each answer is False or
-    empty where the store can't be read."""
+    empty where the store can't be read. Records count only where signed with ``key``, the job's
+    (as the workers were given it)."""
 
-    def __init__(self, served: Any, url: str) -> None:
-        self._store, self._url = served, url
+    def __init__(self, served: Any, url: str, key: JobKey | None) -> None:
+        self._store, self._url, self._key = served, url, key
 
     def admitted(self) -> set[int]:
         """The pids of this machine's processes that the members let in (``admit``)."""
         found = set()
+        records = self._records()
         for key in self._keys():
             head, sep, rest = key.rpartition("/pid/")
-            if sep and self._store.check([f"{head}/admitted/{rest}"]):
-                where, _, pid = self._store.get(key).decode().rpartition(":")
+            said = records.read(key) if sep and records.check([f"{head}/admitted/{rest}"]) else None
+            if said:
+                where, _, pid = said.decode().rpartition(":")
                 if where == machine():
                     found.add(int(pid))
         return found
@@ -68,7 +73,10 @@ class JobStore:
     def beating(self) -> bool:
         """Whether some member's keep-alive beat moves (the job goes on, here or on other machines)."""
         keys = [k for k in self._keys() if re.search(r"/alive/\d+$", k)]
-        return bool(keys) and moving(self._store, keys)
+        return bool(keys) and moving(self._records(), keys)
+
+    def _records(self) -> Records:
+        return Records(self._store, self._key, "")
 
     def uses_membership(self) -> bool:
         """Whether the workers met in distcomm's rendezvous (they can shrink past a lost one)."""

@@ -44,7 +44,7 @@ from .._errors import (
 from .._handles import Handle, as_caller
 from .._one_at_a_time import user_site
 from .._wire.memory import as_view, byte_tensor
-from .._wire.serialization import failure_text
+from .._wire.serialization import failure_text, loader
 from .._wire.tensor_pickle import CUDA_TARGET
 from .routes.base import check_receivable
 from .transport import front_door
@@ -163,7 +163,7 @@ def _receive(comm: Communicator, src: int, tag: int, timeout: float | None, what
 def decode(comm: Communicator, views: list[memoryview], what: str, src: int) -> Any:
     token = CUDA_TARGET.set(comm._cuda_target)  # CUDA tensors rebuilt where the collectives put them
     try:
-        return comm.serializer.loads(views)
+        return loader(comm).loads(views)
     except CollectiveError as e:
         e.args = (f"{what}: can't load the object: {e}",)
         e.op, e.ranks = "recv", (src,)

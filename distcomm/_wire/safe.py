@@ -212,6 +212,18 @@ _CONSTRUCTORS: dict[tuple[str, str], tuple[Callable[[Any], bool], str, Callable[
 }
 
 
+def _set_module_metadata(od: collections.OrderedDict[Any, Any], state: Any) -> None:
+    """The one state an honest pickle sets on an OrderedDict: a module's ``state_dict()`` carries
+    ``_metadata``, a dict of dicts (each module's version). Set once, as a plain attribute."""
+    dicts = (dict, collections.OrderedDict)
+    if not (type(state) is dict and list(state) == ["_metadata"] and type(state["_metadata"]) in dicts
+            and all(type(v) in dicts for v in state["_metadata"].values())):
+        _refuse(f"an OrderedDict's state {_show(state)}: only a state dict's _metadata (a dict of dicts) is set")
+    if "_metadata" in vars(od):
+        _refuse("to set an OrderedDict's _metadata twice")
+    od._metadata = state["_metadata"]  # type: ignore[attr-defined]
+
+
 def _rebuild_tensor_checked(data: Any, dtype: Any, shape: Any, requires_grad: Any, was_cuda: Any) -> Any:
     if not isinstance(dtype, torch.dtype):
         _refuse(f"a tensor of dtype {_show(dtype)}")
@@ -529,10 +541,14 @@ class _Loader(pickle._Unpickler):
             self._charge(_size_of(state[4]), "a numpy array")  # numpy copies the bytes
             super().load_build()  # type: ignore[misc]
             return
+        if type(inst) is collections.OrderedDict:
+            self.stack.pop()
+            _set_module_metadata(inst, state)
+            return
         cls = type(inst)
         if (cls.__module__, cls.__qualname__) not in self._allowed:
-            _refuse(f"to set the state of a {cls.__module__}.{cls.__qualname__}: only numpy's and registered "
-                    f"classes' states are set")
+            _refuse(f"to set the state of a {cls.__module__}.{cls.__qualname__}: only numpy's, registered "
+                    f"classes' and a state dict's metadata are set")
         for part in (state if type(state) is tuple and len(state) == 2 else (state,)):
             if isinstance(part, dict):  # set into the instance's __dict__: its keys are hashed again
                 self._hashed(self._keys_cost(part), "an object's state")

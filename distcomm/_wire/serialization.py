@@ -13,6 +13,8 @@ before it is built, so a peer can't make this process run code.
 from __future__ import annotations
 
 import abc
+import contextlib
+import contextvars
 import copyreg
 import io
 import linecache
@@ -22,8 +24,8 @@ import pickle
 import socket
 import types
 from collections import ChainMap
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import cloudpickle
 import torch
@@ -32,7 +34,13 @@ from .._errors import SerializationError
 from . import safe as _safe
 from .tensor_pickle import reduce_tensor
 
-__all__ = ["PickleSerializer", "SafeSerializer", "Serializer", "default_serializer", "dumps_code"]
+if TYPE_CHECKING:
+    from .._communicator import Communicator
+
+__all__ = ["PickleSerializer", "SafeSerializer", "Serializer", "carry_loader", "default_serializer", "dumps_code",
+           "loader", "loading_with"]
+
+_R = TypeVar("_R")
 
 DEFAULT_OOB_THRESHOLD = 64 * 1024
 
@@ -222,6 +230,39 @@ class SafeSerializer(PickleSerializer):
     def __repr__(self) -> str:
         names = sorted(f"{m}.{n}" for m, n in self.allowed)
         return f"SafeSerializer(allow={names})"
+
+
+_LOADING_WITH: contextvars.ContextVar[Serializer | None] = contextvars.ContextVar("distcomm_loading_with",
+                                                                                default=None)
+
+
+@contextlib.contextmanager
+def loading_with(serializer: Serializer) -> Iterator[None]:
+    """The calls made inside (on this thread, and the async ones it starts) load what peers send with
+    ``serializer`` instead of their communicator's: ``sync_state`` loads state with the safe loader."""
+    token = _LOADING_WITH.set(serializer)
+    try:
+        yield
+    finally:
+        _LOADING_WITH.reset(token)
+
+
+def loader(comm: Communicator) -> Serializer:
+    """What loads the objects ``comm``'s peers send in the current call."""
+    return _LOADING_WITH.get() or comm.serializer
+
+
+def carry_loader(fn: Callable[[], _R]) -> Callable[[], _R]:
+    """``fn`` to run on another thread with the loader the caller set (``loading_with``), if any."""
+    chosen = _LOADING_WITH.get()
+    if chosen is None:
+        return fn
+
+    def run() -> _R:
+        with loading_with(chosen):
+            return fn()
+
+    return run
 
 
 def failure_text(serializer: Serializer, obj: Any, error: Exception, name: str = "obj") -> str:

@@ -30,6 +30,7 @@ from .._launching.launchers import remember_starting_environment
 from .._launching.ports import free_port
 from .._launching.start import start_world
 from .._torch import GlooCommunicator, NcclCommunicator
+from .._trust.key import KEY_VAR, new_key
 from .._wire.serialization import dumps_code
 
 __all__ = ["spawn"]
@@ -94,20 +95,23 @@ class _Parent:
     the server's), fresh random states, and its atexit handlers run at the end. ``env`` and
     ``stdio`` (this process's descriptors for the rank's 1 and 2) give it others instead."""
 
-    def __init__(self, forked: bool, env: dict[str, str] | None = None, stdio: tuple[int, int] = (1, 2)) -> None:
+    def __init__(self, forked: bool, env: dict[str, str] | None = None, stdio: tuple[int, int] = (1, 2),
+                 key: str | None = None) -> None:
         self.forked = forked
         self.env = dict(os.environ if env is None else env) if forked else {}
         self.fds: tuple[int, ...] = stdio
         self.stdio: tuple[Any, ...] = ()
+        self.key = key  # the job's key, where the caller made one (its ranks' environment holds it)
 
     def __reduce__(self) -> tuple[Any, ...]:  # the descriptors go as the start method passes them
         stdio = tuple(multiprocessing.reduction.DupFd(fd) for fd in self.fds) if self.forked else ()
-        return _Parent._rebuild, (self.forked, self.env, stdio)
+        return _Parent._rebuild, (self.forked, self.env, stdio, self.key)
 
     @staticmethod
-    def _rebuild(forked: bool, env: dict[str, str], stdio: tuple[Any, ...]) -> _Parent:
+    def _rebuild(forked: bool, env: dict[str, str], stdio: tuple[Any, ...], key: str | None) -> _Parent:
         parent = _Parent.__new__(_Parent)
         parent.forked, parent.env, parent.fds, parent.stdio = forked, env, (), stdio  # (the rank's 1 and 2 now)
+        parent.key = key
         return parent
 
     def adopt(self) -> None:
@@ -125,6 +129,8 @@ class _Parent:
                 fd = passed.detach()
                 os.dup2(fd, target)
                 os.close(fd)
+        if self.key is not None:
+            os.environ[KEY_VAR] = self.key
         _die_with_parent()
 
     def leave(self) -> None:
@@ -219,8 +225,9 @@ class _World:
         self.out = ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(world)]
         url = f"tcp://127.0.0.1:{free_port()}"
+        parent = _Parent(forked, key=new_key())  # one world, one key: for its ranks alone
         self.procs = [ctx.Process(target=_rank, name=f"distcomm-rank-{r}", daemon=True,
-                                  args=(_Parent(forked), _pool_worker, r, world, url, self.inboxes[r], self.out,
+                                  args=(parent, _pool_worker, r, world, url, self.inboxes[r], self.out,
                                         backend, timeout, kwargs_blob))
                       for r in range(world)]
         for p in self.procs:
@@ -370,7 +377,8 @@ def spawn(fn: Callable[[Any], _R], world_size: int, *, backend: str = "gloo", ti
     out = ctx.Queue()
     url = f"tcp://127.0.0.1:{free_port()}"
     payload = dumps_code((fn, comm_kwargs))
-    procs = [ctx.Process(target=_rank, args=(_Parent(forked), _spawn_worker, r, world_size, url, payload, out, backend,
+    parent = _Parent(forked, key=new_key())  # one job, one key: for its ranks alone
+    procs = [ctx.Process(target=_rank, args=(parent, _spawn_worker, r, world_size, url, payload, out, backend,
                                              timeout), name=f"distcomm-rank-{r}", daemon=True)
              for r in range(world_size)]
     for p in procs:

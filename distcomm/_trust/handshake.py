@@ -1,0 +1,56 @@
+"""The members of a new group prove to each other that they hold the job's key.
+
+A group forms in the job's store, where anyone who reaches it could put an address of its own in
+a member's place. So, after every start, shrink and admit, before any byte from a peer is loaded
+(the communicator's set-up is the first object collective), each member answers a challenge made
+of every member's fresh nonce: two all-gathers of raw bytes, nothing deserialized. Every member
+sees every answer, so all of them find the same impostors and fail alike, naming them.
+"""
+
+from __future__ import annotations
+
+import hmac
+import secrets
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .._errors import AuthenticationError
+from .key import MAC_BYTES, JobKey
+
+__all__ = ["prove_members"]
+
+_NONCE_BYTES = 16
+
+
+def prove_members(key: JobKey | None, epoch: str, job_ranks: tuple[int, ...], device: Any = None) -> None:
+    """On the default group just formed (``job_ranks[r]``: its rank ``r``'s job rank): raise
+    AuthenticationError on every member where a member can't answer with the job's key. A job
+    without a key has nothing to prove (torch's own trust model)."""
+    if key is None:
+        return
+    nonces = _all_gather(secrets.token_bytes(_NONCE_BYTES), device)
+    challenge = b"".join(nonces)
+
+    def answer(rank: int) -> bytes:
+        return key.mac(b"member", epoch.encode(), str(rank).encode(), str(job_ranks[rank]).encode(), challenge)
+
+    answers = _all_gather(answer(dist.get_rank()), device)
+    bad = [r for r, said in enumerate(answers) if not hmac.compare_digest(said, answer(r))]
+    if bad:
+        raise AuthenticationError(
+            f"{epoch}: rank(s) {bad} (job rank(s) {[job_ranks[r] for r in bad]}) could not prove they hold the job's "
+            f"key: a process that is none of the job's took their place in its group, or they were started with "
+            f"another key; nothing from them was loaded", op="rendezvous", ranks=bad)
+
+
+def _all_gather(mine: bytes, device: Any) -> list[bytes]:
+    size = len(mine)
+    assert size in (_NONCE_BYTES, MAC_BYTES)
+    t = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+    if device is not None:
+        t = t.to(device)
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return [bytes(o.cpu().numpy().tobytes()) for o in out]

@@ -1,0 +1,336 @@
+"""Members only: a job's key, the membership records signed with it, the proof each member of a
+new group gives the others, and state handed over through the safe loader. Tried as an outsider
+would: a process that knows the store's port and nothing else (see docs/trust-model.md)."""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import os
+import sys
+import textwrap
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import distcomm
+from distcomm._launching.agent import Job, worker_env
+from distcomm._trust.key import JobKey, job_key
+from distcomm._trust.records import Records
+
+from . import _forked
+from ._jobs import WAIT, ended, job
+from .test_cli import ROOT, cli
+
+_c10d: Any = torch._C._distributed_c10d
+
+
+def _store() -> Any:
+    return _c10d.TCPStore("127.0.0.1", 0, 1, True, datetime.timedelta(seconds=10), wait_for_workers=False)
+
+
+# ---------------------------------------------------------------- the key
+def test_a_key_is_read_from_the_environment_or_an_owner_only_file(tmp_path: Path) -> None:
+    assert job_key({}) is None
+    assert "hidden text" not in repr(job_key({"DISTCOMM_JOB_KEY": "a hidden text of 16+"}))
+    with pytest.raises(ValueError, match="has 5 characters; it needs 16 or more"):
+        job_key({"DISTCOMM_JOB_KEY": "short"})
+    path = tmp_path / "key"
+    path.write_text("a key kept in a file\n")
+    path.chmod(0o644)
+    with pytest.raises(ValueError, match=r"can be read or written by others \(mode 644\); .* chmod 600"):
+        job_key({"DISTCOMM_JOB_KEY_FILE": str(path)})
+    path.chmod(0o600)
+    from_file = job_key({"DISTCOMM_JOB_KEY_FILE": str(path)})
+    assert from_file is not None and from_file.mac(b"x") == JobKey(b"a key kept in a file").mac(b"x")
+    with pytest.raises(ValueError, match="both DISTCOMM_JOB_KEY and DISTCOMM_JOB_KEY_FILE"):
+        job_key({"DISTCOMM_JOB_KEY_FILE": str(path), "DISTCOMM_JOB_KEY": "another key of 16+"})
+    with pytest.raises(ValueError, match="can't read the job's key"):
+        job_key({"DISTCOMM_JOB_KEY_FILE": str(tmp_path / "none")})
+
+
+# ---------------------------------------------------------------- signed records
+def test_a_record_written_without_the_key_or_copied_elsewhere_reads_as_none_and_is_named_once() -> None:
+    raw = _store()
+    key = JobKey(b"the job's own key, 16+")
+    job = Records(_c10d.PrefixStore("distcomm/j", raw), key, "distcomm/j/")
+    job.set("epoch-1/members", "0,1,2")
+    assert job.read("epoch-1/members") == b"0,1,2" and job.check(["epoch-1/members"])
+    raw.set("distcomm/j/epoch-1/broken", b"shrink")  # an outsider's mark
+    raw.set("distcomm/j/epoch-2/members", raw.get("distcomm/j/epoch-1/members"))  # a genuine record, replayed
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert job.read("epoch-1/broken") is None and not job.check(["epoch-1/broken"])
+        assert job.read("epoch-1/broken") is None
+        assert job.read("epoch-2/members") is None
+    named = [str(w.message) for w in seen]
+    assert len(named) == 2 and "distcomm/j/epoch-1/broken" in named[0] and "not written with the job's key" in named[0]
+    # a claim (compare-and-set on none) takes a slot an outsider filled first; one that holds a genuine value keeps it
+    raw.set("distcomm/j/epoch-1/successor", b"shrink")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert job.compare_set("epoch-1/successor", "", "admit:epoch-2") == b"admit:epoch-2"
+    assert job.compare_set("epoch-1/successor", "", "shrink") == b"admit:epoch-2"
+    # signed list entries: a forged pid among them is left out
+    job.append_entry("epoch-1/pids/m", "0:100")
+    raw.append("distcomm/j/epoch-1/pids/m", b"1:1#00,")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert job.entries("epoch-1/pids/m") == ["0:100"]
+    with pytest.raises(KeyError, match="no record distcomm/j/epoch-1/nothing"):
+        job.get("epoch-1/nothing")
+
+
+# ---------------------------------------------------------------- the state's hand-over
+def test_the_safe_loader_carries_a_models_state_dict_and_only_its_metadata() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    safe = distcomm.SafeSerializer()
+    state = safe.loads([memoryview(s) for s in safe.dumps(model.state_dict())])
+    assert state._metadata == model.state_dict()._metadata
+    torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2)).load_state_dict(state)
+    odd = __import__("collections").OrderedDict(a=1)
+    odd.__dict__["other"] = 1  # any other attribute of an OrderedDict: refused by name
+    with pytest.raises(distcomm.UnsafePayloadError, match="only a state dict's _metadata"):
+        safe.loads([memoryview(s) for s in safe.dumps(odd)])
+
+
+class RunsCode:
+    """What a hostile member puts in its state: loading its pickle runs code (writes a marker)."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return exec, (f"open({self.marker!r}, 'w').write(str(__import__('os').getpid()))",)
+
+
+def _hostile_source(comm: distcomm.Communicator, marker: str) -> str:
+    model = torch.nn.Linear(2, 2)
+    torch.manual_seed(comm.rank)  # (states differ: rank 1 receives rank 0's)
+    progress: dict[str, Any] = {"step": comm.rank, **({"evil": RunsCode(marker)} if comm.rank == 0 else {})}
+    try:
+        comm.sync_state(model, progress)
+    except distcomm.SerializationError as e:
+        return str(e)
+    return "returned"
+
+
+def test_a_member_can_send_wrong_numbers_through_sync_state_but_never_code(tmp_path: Path) -> None:
+    marker = str(tmp_path / "ran")
+    said = distcomm.testing.spawn(functools.partial(_hostile_source, marker=marker), 2, timeout=WAIT)
+    assert not os.path.exists(marker)
+    assert said[0] == said[1] and "rank(s) [1] could not load the state rank 0 sent" in said[0], said
+    assert "UnsafePayloadError" in said[0] and "builtins.exec" in said[0], said
+
+
+def _sync_with_adam(comm: distcomm.Communicator) -> list[float]:
+    torch.manual_seed(comm.rank)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.LayerNorm(3))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(2, 3)).sum().backward()
+    opt.step()
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2)
+    progress = {"step": 7 if comm.rank == 0 else 0, "seen": ["a", "b"]}
+    comm.sync_state(model, opt, sched, progress)
+    comm.check_identical(model, opt, sched, progress)
+    return [float(p.sum()) for p in model.parameters()] + [progress["step"]]
+
+
+def test_sync_state_hands_over_a_model_adam_and_a_scheduler_through_the_safe_loader() -> None:
+    got = distcomm.testing.spawn(_sync_with_adam, 3, timeout=WAIT)
+    assert got[0] == got[1] == got[2] and got[0][-1] == 7
+
+
+# ---------------------------------------------------------------- the proof in every new group
+IMPOSTOR = """
+    import json, os, sys, datetime, torch, torch.distributed as dist
+    from distcomm._trust.handshake import prove_members
+    from distcomm._trust.key import JobKey
+    import distcomm
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", rank=rank, world_size=3, timeout=datetime.timedelta(seconds=60))
+    key = JobKey(b"the job's key, 16 and more" if rank != 2 else b"an impostor's guess at it")
+    try:
+        prove_members(key, "epoch-5-abcd", (0, 1, 4))
+        print(json.dumps({"proved": True}))
+    except distcomm.AuthenticationError as e:
+        print(json.dumps({"error": str(e), "ranks": list(e.ranks), "rank loss": distcomm.is_rank_loss(e)}))
+"""
+
+
+def test_a_member_of_a_new_group_without_the_key_fails_every_honest_rank_at_once_named(tmp_path: Path) -> None:
+    _, procs = job(tmp_path, IMPOSTOR, 3, keyed=False)
+    out = ended(procs)
+    for r in (0, 1):
+        code, lines, err = out[r]
+        assert code == 0 and lines[-1]["ranks"] == [2] and not lines[-1]["rank loss"], err
+        assert "rank(s) [2] (job rank(s) [4]) could not prove they hold the job's key" in lines[-1]["error"]
+    assert out[2][1][-1]["ranks"] == [0, 1]  # (the impostor finds no one who answers as it does)
+
+
+# ---------------------------------------------------------------- an outsider against a running job
+JOB = """
+    import json, os, sys, time, torch
+    import distcomm
+    stop = sys.argv[1]
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    comm = distcomm.from_env()
+    if comm.rank == 0:
+        with open(stop + ".port", "w") as f:
+            f.write(os.environ["MASTER_PORT"])
+    progress, share = {"step": 0}, True
+    while True:
+        try:
+            if share:
+                comm.sync_state(model, opt, progress)
+                share = False
+            if comm.all_reduce(torch.tensor([float(os.path.exists(stop))]), op="max").item():
+                break
+            loss = model(torch.ones(8, 4) * comm.rank).pow(2).mean()
+            opt.zero_grad(); loss.backward(); opt.step()
+            progress["step"] += 1
+            print(json.dumps({"step": progress["step"], "members": list(comm.membership.job_ranks)}), flush=True)
+            time.sleep(0.05)
+            new = comm.admit()
+            if new is not comm:
+                comm, share = new, True
+        except Exception as e:
+            if not distcomm.is_rank_loss(e):
+                raise
+            comm, share = comm.shrink(), True
+    m = comm.membership
+    print(json.dumps({"done": progress["step"], "members": list(m.job_ranks), "lost": list(m.lost),
+                      "admitted": list(m.admitted)}), flush=True)
+    comm.close()
+"""
+
+NEWCOMER = """
+    import distcomm, json
+    try:
+        comm = distcomm.from_env(timeout=float(__import__("sys").argv[1]))
+        print(json.dumps({"in": list(comm.membership.job_ranks)}), flush=True)
+    except Exception as e:
+        print(json.dumps({"refused": type(e).__name__, "why": str(e)}), flush=True)
+"""
+
+
+def _forge(port: int) -> list[str]:
+    """What an outsider who knows only the port can write: every membership record it finds named in
+    the store, and the ones a shrink or an admit would look for, with values that would steer the job."""
+    raw = _c10d.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=10))
+    keys = list(raw.list_keys())
+    scopes = {k.split("/")[1] for k in keys if k.startswith("distcomm/")}
+    forged = []
+    for scope in scopes:
+        base = f"distcomm/{scope}"
+        epochs = {k[len(base) + 1:].split("/")[0] for k in keys if k.startswith(base + "/")}
+        epochs = {e for e in epochs if e.startswith(("round-", "epoch-"))}
+        number = int(raw.add(f"{base}/round", 0))
+        for e in epochs:  # a shrink claimed, a membership broken, a host posted silent, a leader named
+            for name, value in (("successor", "shrink"), ("broken", "shrink"), ("silent", "1"),
+                                ("shrink/leader", "1"), ("shrink/decision", "epoch-99:0")):
+                raw.set(f"{base}/{e}/{name}", value)
+                forged.append(f"{base}/{e}/{name}")
+        for r in range(3):  # a rank's beat, replayed forward
+            raw.set(f"{base}/alive/{r}", str(10 ** 15))
+        rnd = f"{base}/round-{number}"
+        raw.set(f"{rnd}/world", "3")  # the open round: a place taken as rank 1, and its world size
+        raw.set(f"{rnd}/rank/1", "outsider pid 1 0000")
+        raw.add(f"{rnd}/count", 1)
+    return forged
+
+
+def _steps(lines: list[dict[str, Any]]) -> list[int]:
+    return [line["step"] for line in lines if "step" in line]
+
+
+def test_an_outsider_who_knows_only_the_port_can_neither_join_steer_nor_stall_a_run_job(tmp_path: Path) -> None:
+    stop = tmp_path / "stop"
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(JOB))
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "DISTCOMM_JOB"))}
+    agent = _forked.start(["-m", "distcomm", "run", "--nproc-per-node", "3", "--replacements", "1",
+                           "--log-dir", str(tmp_path / "logs"), str(script), str(stop)], clean, ROOT)
+    try:
+        deadline = time.monotonic() + WAIT
+        while not (tmp_path / "stop.port").exists() and time.monotonic() < deadline and agent.poll() is None:
+            time.sleep(0.1)
+        port = int((tmp_path / "stop.port").read_text())
+        time.sleep(1.0)
+        forged = _forge(port)
+        assert forged, "the outsider found no record to forge"
+        newcomer = tmp_path / "newcomer.py"
+        newcomer.write_text(textwrap.dedent(NEWCOMER))
+        at = worker_env(Job((), 3, master_port=port), 1, "none", None)  # a worker's variables, but the key
+        assert "DISTCOMM_JOB_KEY" not in at
+        keyless = _forked.run([str(newcomer), "30"], at, tmp_path, WAIT)
+        guessed = _forked.run([str(newcomer), "6"], {**at, "DISTCOMM_JOB_KEY": "a guess at the job's key"}, tmp_path,
+                              WAIT)
+        time.sleep(2.0)  # the job steps on meanwhile: shown by its steps after the forged records
+    finally:
+        stop.write_text("")
+        _, stderr = agent.communicate(timeout=WAIT)
+    said = json.loads(keyless.stdout.strip().splitlines()[-1])
+    assert said["refused"] == "ValueError" and "this job has a key" in said["why"], keyless
+    said = json.loads(guessed.stdout.strip().splitlines()[-1])
+    assert said["refused"] == "CollectiveTimeoutError", guessed
+    assert agent.returncode == 0, stderr[-3000:]
+    logs = {r: (tmp_path / "logs" / f"rank{r}.log").read_text() for r in range(3)}
+    for r, text in logs.items():
+        lines = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+        assert lines[-1] == {"done": lines[-1]["done"], "members": [0, 1, 2], "lost": [], "admitted": []}, text[-2000:]
+        assert all(line["members"] == [0, 1, 2] for line in lines if "step" in line)  # no shrink, no admit
+        assert lines[-1]["done"] >= 20, text[-2000:]
+    assert "was not written with the job's key" in stderr, stderr[-3000:]
+
+
+# ---------------------------------------------------------------- a job without a key
+KEYLESS = """
+    import json, os, signal, sys, time
+    import distcomm
+    comm = distcomm.from_env()
+    newcomer = bool(comm.membership.admitted)
+    if comm.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    end = time.monotonic() + float(sys.argv[1])
+    while time.monotonic() < end:
+        try:
+            comm.barrier()
+            time.sleep(0.05)
+            comm = comm.admit()
+        except Exception as e:
+            if not distcomm.is_rank_loss(e):
+                raise
+            comm = comm.shrink()
+    print(json.dumps({"members": list(comm.membership.job_ranks)}), flush=True)
+"""
+
+
+def test_a_job_without_a_key_runs_as_before_and_refuses_a_newcomer_saying_how_to_give_one(tmp_path: Path) -> None:
+    port, first = job(tmp_path, KEYLESS, 2, "12", keyed=False)
+    time.sleep(3.0)
+    newcomer = tmp_path / "newcomer.py"
+    newcomer.write_text(textwrap.dedent(NEWCOMER))
+    env = {k: v for k, v in os.environ.items() if k != "DISTCOMM_JOB_KEY"}
+    late = _forked.run([str(newcomer), "60"], {**env, "PYTHONPATH": os.pathsep.join(sys.path), "RANK": "1",
+                                              "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                              "MASTER_PORT": str(port)}, tmp_path, WAIT)
+    out = ended(first)
+    said = json.loads(late.stdout.strip().splitlines()[-1])
+    assert said["refused"] == "ValueError" and "this job has no key" in said["why"], late
+    assert "DISTCOMM_JOB_KEY" in said["why"] and "python -m distcomm run, launch() and testing.spawn() make one" \
+        in said["why"]
+    assert out[0][0] == 0 and out[0][1][-1] == {"members": [0]}, out[0][2]
+
+
+def test_cli_refuses_replacements_across_machines_without_a_key() -> None:
+    out = cli("run", "--nnodes", "2", "--master-port", "29999", "--replacements", "1", "x.py")
+    assert out.returncode == 2 and "only holders of the job's key come in" in out.stderr, out.stderr
+    out = cli("run", "x.py", env={"DISTCOMM_JOB_KEY": "short"})
+    assert out.returncode == 2 and "it needs 16 or more" in out.stderr, out.stderr
