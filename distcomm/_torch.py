@@ -46,6 +46,8 @@ from ._transfer.header_exchange import (
     table_index,
 )
 from ._transfer.messages import settle_eager, settle_limit, torch_recv, torch_send
+from ._trust.handshake import prove_members
+from ._trust.key import JobKey
 from ._wire import frame as _frame
 from ._wire.serialization import Serializer
 
@@ -118,9 +120,11 @@ class _TorchCommunicator(TorchMembership, Communicator):
         _order: Sequence[int] | None = None,
         _pids: dict[int, int] | None = None,
         _seat: Seat | None = None,
+        _key: JobKey | None = None,
     ) -> None:
         super().__init__(timeout=timeout, serializer=serializer, max_bytes=max_bytes, slot_bytes=slot_bytes,
                          receive_cuda_on=receive_cuda_on)
+        self._key = _seat.job.key if _seat is not None else _key  # (every group it makes is proven with it)
         if not dist.is_available():
             raise CommunicatorStateError("this torch build has no torch.distributed")
         if not dist.is_initialized():
@@ -218,6 +222,8 @@ class _TorchCommunicator(TorchMembership, Communicator):
             self._owned.append(g)
             if not self._is_world:
                 _REUSABLE_NAMES.add(g.group_name)
+            device = None if (backend or self.backend) == "gloo" else getattr(self, "_device", None)
+            prove_members(self._key, f"group {g.group_name}", tuple(self._ranks[r] for r in ranks), device, g)
         return g
 
     def _forget_keys(self, names: list[str]) -> None:
@@ -641,7 +647,7 @@ class _TorchCommunicator(TorchMembership, Communicator):
         if mine is None:
             return None
         group = made[groups.index(mine)]
-        sub = type(self)(group, machine=self._machine_key, _order=[self._ranks[r] for r in mine],
+        sub = type(self)(group, machine=self._machine_key, _order=[self._ranks[r] for r in mine], _key=self._key,
                          **self._sub_kwargs(timeout))
         self._owned.remove(group)  # the sub-communicator destroys its group when it closes
         sub._owned.insert(0, group)

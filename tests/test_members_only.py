@@ -76,6 +76,8 @@ def test_a_record_written_without_the_key_or_copied_elsewhere_reads_as_none_and_
         warnings.simplefilter("ignore")
         assert job.compare_set("epoch-1/successor", "", "admit:epoch-2") == b"admit:epoch-2"
     assert job.compare_set("epoch-1/successor", "", "shrink") == b"admit:epoch-2"
+    job.set("epoch-1/place", "")  # a place freed (an empty record) is taken again, as in the store itself
+    assert job.compare_set("epoch-1/place", "", "token") == b"token"
     # signed list entries: a forged pid among them is left out
     job.append_entry("epoch-1/pids/m", "0:100")
     raw.append("distcomm/j/epoch-1/pids/m", b"1:1#00,")
@@ -86,6 +88,25 @@ def test_a_record_written_without_the_key_or_copied_elsewhere_reads_as_none_and_
         job.get("epoch-1/nothing")
 
 
+def test_a_round_counted_complete_by_an_outsider_waits_for_every_rank_place() -> None:
+    """The store counts the places taken, but anyone can move a count: an outsider's +1 must not let
+    rank 0 call a round of two complete alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from distcomm._launching.rendezvous import meet
+
+    server = _store()
+    server.add("distcomm/s/round-0/count", 1)
+    key = JobKey(b"the job's own key, 16+")
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(meet, "127.0.0.1", server.port, 0, 2, 30.0, scope="s", hosted=False, key=key)
+        time.sleep(1.0)
+        assert not first.done(), "rank 0 met a round of 2 alone"
+        second = pool.submit(meet, "127.0.0.1", server.port, 1, 2, 30.0, scope="s", hosted=False, key=key)
+        seats = [first.result(30), second.result(30)]
+    assert [(s.epoch, s.members) for s in seats] == [("round-0", (0, 1))] * 2
+
+
 # ---------------------------------------------------------------- the state's hand-over
 def test_the_safe_loader_carries_a_models_state_dict_and_only_its_metadata() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
@@ -93,6 +114,10 @@ def test_the_safe_loader_carries_a_models_state_dict_and_only_its_metadata() -> 
     state = safe.loads([memoryview(s) for s in safe.dumps(model.state_dict())])
     assert state._metadata == model.state_dict()._metadata
     torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2)).load_state_dict(state)
+    steering = model.state_dict()
+    steering._metadata[""]["assign_to_params_buffers"] = True  # would make load_state_dict replace the parameters
+    with pytest.raises(distcomm.UnsafePayloadError, match="each module's version"):
+        safe.loads([memoryview(s) for s in safe.dumps(steering)])
     odd = __import__("collections").OrderedDict(a=1)
     odd.__dict__["other"] = 1  # any other attribute of an OrderedDict: refused by name
     with pytest.raises(distcomm.UnsafePayloadError, match="only a state dict's _metadata"):

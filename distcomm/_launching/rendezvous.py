@@ -160,15 +160,22 @@ def _take_place(job: Records, rank: int, world: int, token: str, where: str) -> 
         _check_world(job, rnd, number, world, token, where)
         held = rnd.compare_set(f"rank/{rank}", "", token).decode()
         if held == token:  # a place of its own: the last rank to take one completes the round
-            if rnd.add("count", 1) == world:
-                rnd.set("complete", "1")
-                job.add("round", 1)
+            if rnd.add("count", 1) >= world:
+                _complete(job, rnd, world, token)
             return number
         if rnd.check(["complete"]):  # an earlier process of this rank met the others: a later round
             number += 1
             continue
         rnd.set(f"rank/{rank}", token)  # a restarted process takes its own place back (one still waiting is told)
         return number
+
+
+def _complete(job: Records, rnd: Records, world: int, token: str) -> None:
+    """Call the round complete where every rank holds its place; the first to call it moves the
+    job on to the next round. The store counts the places, but anyone can move a count: the
+    places themselves (signed records) are what is checked."""
+    if all(rnd.read(f"rank/{r}") for r in range(world)) and rnd.compare_set("complete", "", token).decode() == token:
+        job.add("round", 1)
 
 
 _KEYED = "keyed"

@@ -24,19 +24,21 @@ __all__ = ["prove_members"]
 _NONCE_BYTES = 16
 
 
-def prove_members(key: JobKey | None, epoch: str, job_ranks: tuple[int, ...], device: Any = None) -> None:
-    """On the default group just formed (``job_ranks[r]``: its rank ``r``'s job rank): raise
-    AuthenticationError on every member where a member can't answer with the job's key. A job
-    without a key has nothing to prove (torch's own trust model)."""
+def prove_members(key: JobKey | None, epoch: str, job_ranks: tuple[int, ...], device: Any = None,
+                  group: Any = None) -> None:
+    """On ``group`` just formed (default: the default group; ``job_ranks[r]``: its rank ``r``'s job
+    rank, or global rank): raise AuthenticationError on every member where a member can't answer
+    with the job's key. A job without a key has nothing to prove (torch's own trust model). Every
+    group distcomm makes is proven (``_TorchCommunicator._new_group``): objects travel on several."""
     if key is None:
         return
-    nonces = _all_gather(secrets.token_bytes(_NONCE_BYTES), device)
+    nonces = _all_gather(secrets.token_bytes(_NONCE_BYTES), device, group)
     challenge = b"".join(nonces)
 
     def answer(rank: int) -> bytes:
         return key.mac(b"member", epoch.encode(), str(rank).encode(), str(job_ranks[rank]).encode(), challenge)
 
-    answers = _all_gather(answer(dist.get_rank()), device)
+    answers = _all_gather(answer(dist.get_rank(group)), device, group)
     bad = [r for r, said in enumerate(answers) if not hmac.compare_digest(said, answer(r))]
     if bad:
         raise AuthenticationError(
@@ -45,12 +47,11 @@ def prove_members(key: JobKey | None, epoch: str, job_ranks: tuple[int, ...], de
             f"another key; nothing from them was loaded", op="rendezvous", ranks=bad)
 
 
-def _all_gather(mine: bytes, device: Any) -> list[bytes]:
-    size = len(mine)
-    assert size in (_NONCE_BYTES, MAC_BYTES)
+def _all_gather(mine: bytes, device: Any, group: Any) -> list[bytes]:
+    assert len(mine) in (_NONCE_BYTES, MAC_BYTES)
     t = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
     if device is not None:
         t = t.to(device)
-    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, t)
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, t, group=group)
     return [bytes(o.cpu().numpy().tobytes()) for o in out]

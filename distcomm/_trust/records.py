@@ -73,9 +73,9 @@ class Records:
         held = bytes(self.raw.compare_set(name, self._signed(name, want) if want else b"", new))
         for _ in range(3):
             value = self._verified(name, held)
-            if value is not None or want:
+            if want or (value is not None and (value or held == new)):
                 return b"" if value is None else value
-            held = bytes(self.raw.compare_set(name, held, new))  # (a forged one in the way of a claim)
+            held = bytes(self.raw.compare_set(name, held, new))  # (an empty or forged one in the way of a claim)
         return self._verified(name, held) or b""
 
     def add(self, name: str, amount: int) -> int:

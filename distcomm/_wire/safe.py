@@ -214,11 +214,15 @@ _CONSTRUCTORS: dict[tuple[str, str], tuple[Callable[[Any], bool], str, Callable[
 
 def _set_module_metadata(od: collections.OrderedDict[Any, Any], state: Any) -> None:
     """The one state an honest pickle sets on an OrderedDict: a module's ``state_dict()`` carries
-    ``_metadata``, a dict of dicts (each module's version). Set once, as a plain attribute."""
-    dicts = (dict, collections.OrderedDict)
-    if not (type(state) is dict and list(state) == ["_metadata"] and type(state["_metadata"]) in dicts
-            and all(type(v) in dicts for v in state["_metadata"].values())):
-        _refuse(f"an OrderedDict's state {_show(state)}: only a state dict's _metadata (a dict of dicts) is set")
+    ``_metadata``, each module's ``{"version": n}``. Set once, as a plain attribute."""
+    def versions_only(entry: Any) -> bool:  # (other entries steer load_state_dict: assign_to_params_buffers)
+        return type(entry) is dict and all(k == "version" and type(v) is int for k, v in entry.items())
+
+    if not (type(state) is dict and list(state) == ["_metadata"]
+            and type(state["_metadata"]) in (dict, collections.OrderedDict)
+            and all(type(k) is str and versions_only(v) for k, v in state["_metadata"].items())):
+        _refuse(f"an OrderedDict's state {_show(state)}: only a state dict's _metadata (each module's "
+                f"version) is set")
     if "_metadata" in vars(od):
         _refuse("to set an OrderedDict's _metadata twice")
     od._metadata = state["_metadata"]  # type: ignore[attr-defined]

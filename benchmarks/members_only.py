@@ -1,0 +1,110 @@
+"""What the job's key costs: small calls, a checked all_reduce, an admit with no one waiting and a
+shrink that lost no one (its agreement, its signed records, its new group and the members' proof),
+each in a job with a key and in the same job without one, one after the other in one run.
+
+    python benchmarks/members_only.py [--world 2 4] [--rounds 2]
+
+Each job's ranks are processes started as a job controller starts them (RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT; DISTCOMM_JOB_KEY for the keyed one); rank 0 times its calls. Best of
+``--rounds`` jobs of each kind. Also what an HMAC-SHA256 of a message costs here per KiB and per
+MiB: what authenticating every message would add. Prints a markdown table (benchmarks/out/members_only.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import hmac
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+from _report import publish  # (run as a script: benchmarks/ is on the path)
+
+import distcomm
+
+JOB = """
+    import json, statistics, time, torch
+    import distcomm
+
+    def per_call(fn, n):
+        times = []
+        for _ in range(n):
+            t = time.perf_counter(); fn(); times.append(time.perf_counter() - t)
+        return statistics.median(times)
+
+    comm = distcomm.from_env()
+    t = torch.ones(4)
+    for _ in range(50):
+        comm.all_gather(1); comm.all_reduce(t)
+    out = {"all_gather": per_call(lambda: comm.all_gather(1), 400),
+           "all_reduce": per_call(lambda: comm.all_reduce(t), 400),
+           "admit": per_call(comm.admit, 40)}
+    shrinks = []
+    for _ in range(5):
+        comm.barrier()
+        start = time.perf_counter(); comm = comm.shrink(); shrinks.append(time.perf_counter() - start)
+    out["shrink"] = statistics.median(shrinks)
+    if comm.rank == 0:
+        print(json.dumps(out), flush=True)
+    comm.close()
+"""
+
+
+def _job(script: Path, world: int, keyed: bool) -> dict[str, float]:
+    port = distcomm.free_port()
+    base = {k: v for k, v in os.environ.items() if not k.startswith("DISTCOMM_JOB_KEY")}
+    procs = []
+    for r in range(world):
+        env = {**base, "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r),
+               "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "OMP_NUM_THREADS": "1", **({"DISTCOMM_JOB_KEY": "the benchmark's job key"} if keyed else {})}
+        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise SystemExit(f"a rank failed: exit codes {[p.returncode for p in procs]}")
+    return json.loads(outs[0].strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def _mac_cost(size: int, n: int) -> float:
+    data, key = os.urandom(size), b"k" * 32
+    start = time.perf_counter()
+    for _ in range(n):
+        hmac.new(key, data, hashlib.sha256).digest()
+    return (time.perf_counter() - start) / n
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    rows = ["| world | call | no key | with the key | ratio |", "|---|---|---|---|---|"]
+    with tempfile.TemporaryDirectory() as d:
+        script = Path(d) / "job.py"
+        script.write_text(textwrap.dedent(JOB))
+        for world in args.world:
+            best: dict[bool, dict[str, float]] = {}
+            for _ in range(args.rounds):
+                for keyed in (False, True):  # (interleaved: the machine's drift touches both alike)
+                    got = _job(script, world, keyed)
+                    best[keyed] = {k: min(v, best.get(keyed, got)[k]) for k, v in got.items()}
+            for call, unit, scale in (("all_gather", "µs", 1e6), ("all_reduce", "µs", 1e6), ("admit", "µs", 1e6),
+                                      ("shrink", "ms", 1e3)):
+                plain, keyed_ = best[False][call] * scale, best[True][call] * scale
+                name = {"all_gather": "all_gather (one int)", "all_reduce": "checked all_reduce (4 floats)",
+                        "admit": "admit(), no one waiting", "shrink": "shrink(), no one lost"}[call]
+                rows.append(f"| {world} | {name} | {plain:.1f} {unit} | {keyed_:.1f} {unit} | {keyed_ / plain:.2f}x |")
+    kib, mib = _mac_cost(1024, 20000) * 1e6, _mac_cost(1 << 20, 50) * 1e3
+    table = "\n".join(rows) + (f"\n\nHMAC-SHA256 of a message here: {kib:.1f} µs per KiB, {mib:.2f} ms per MiB "
+                               f"(what authenticating every message would add, per message and rank).")
+    publish(table, "members_only")
+
+
+if __name__ == "__main__":
+    main()
