@@ -68,7 +68,7 @@ from ._launching.from_env import from_env
 from ._launching.launch import free_port, launch
 from ._local import LocalCommunicator
 from ._torch import GlooCommunicator, NcclCommunicator
-from ._wire.serialization import PickleSerializer, SafeSerializer, Serializer
+from ._wire.serialization import AuthenticatedSerializer, PickleSerializer, SafeSerializer, Serializer
 
 __version__ = "0.1.0"
 
@@ -77,7 +77,8 @@ __version__ = "0.1.0"
 for _cls in (Communicator, Handle, LocalCommunicator, GlooCommunicator, NcclCommunicator, OpStats, Serializer,
              PickleSerializer, SafeSerializer, DistCommError, CollectiveError, CollectiveMismatchError,
              CollectiveTimeoutError, CommunicatorStateError, FrameError, PayloadTooLargeError, PeerError,
-             RankFailedError, SerializationError, UnsafePayloadError, Membership, AuthenticationError):
+             RankFailedError, SerializationError, UnsafePayloadError, Membership, AuthenticationError,
+             AuthenticatedSerializer):
     _cls.__module__ = __name__
 
 
@@ -90,6 +91,7 @@ def __getattr__(name: str) -> _Any:
     raise AttributeError(f"module 'distcomm' has no attribute {name!r}")
 
 __all__ = [
+    "AuthenticatedSerializer",
     "AuthenticationError",
     "CollectiveError",
     "CollectiveMismatchError",

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ._errors import CollectiveMismatchError, SerializationError, is_rank_loss
-from ._wire.serialization import SafeSerializer, loading_with
+from ._wire.serialization import AuthenticatedSerializer, SafeSerializer, Serializer, loading_with
 
 if TYPE_CHECKING:
     from ._communicator import Communicator
@@ -34,7 +34,7 @@ def sync_state(comm: Communicator, objects: tuple[Any, ...], allow: Iterable[Any
 
     What peers send is loaded with the safe loader (and the classes in ``allow``): state is
     tensors and plain values, so even a member can send wrong numbers, never code."""
-    with loading_with(SafeSerializer(allow) if allow else _STATE_LOADER):
+    with loading_with(_state_loader(comm, allow)):
         states, digests = _fingerprints(comm, objects, "sync_state")
         src = _first_member(comm)
         needed = {r: [i for i, d in enumerate(digests[r]) if d != digests[src][i]] for r in range(comm.world_size)}
@@ -50,6 +50,13 @@ def sync_state(comm: Communicator, objects: tuple[Any, ...], allow: Iterable[Any
 
 
 _STATE_LOADER = SafeSerializer()
+
+
+def _state_loader(comm: Communicator, allow: Iterable[Any]) -> Serializer:
+    """The safe loader (with ``allow``), behind the communicator's authentication where it has one."""
+    safe = SafeSerializer(allow) if allow else _STATE_LOADER
+    chosen = comm.serializer
+    return chosen.around(safe) if isinstance(chosen, AuthenticatedSerializer) else safe
 
 
 def _hand_over(comm: Communicator, objects: tuple[Any, ...], states: list[Any], src: int,

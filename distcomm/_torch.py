@@ -48,6 +48,7 @@ from ._transfer.header_exchange import (
 from ._transfer.messages import settle_eager, settle_limit, torch_recv, torch_send
 from ._trust.handshake import prove_members
 from ._trust.key import JobKey
+from ._trust.records import Records
 from ._wire import frame as _frame
 from ._wire.serialization import Serializer
 
@@ -164,6 +165,8 @@ class _TorchCommunicator(TorchMembership, Communicator):
             self._store: Any = native_store(dist.distributed_c10d._get_default_store())
         except Exception:  # a store is only used to name missing ranks after a failure
             self._store = None
+        # what ranks say there after a failure (who reached the call, what each waited for), signed
+        self._reports = None if self._store is None else Records(self._store, self._key, "")
         self._token = ""
         self._peer_pids: dict[int, int] = dict(_pids or {})  # same-machine peers' pids (set-up learns them all)
         self._seat = _seat  # (before set-up: its waits then know when the others gave this membership up)
@@ -350,7 +353,7 @@ class _TorchCommunicator(TorchMembership, Communicator):
         # Let go of the groups, so that they are torn down now where nothing else holds them; of
         # those it doesn't own too: one its owner destroys would otherwise live on here until
         # interpreter exit, where tearing its threads down can abort the process.
-        self._group = self._obj_group = self._local_group = self._store = None
+        self._group = self._obj_group = self._local_group = self._store = self._reports = None
         self._block_group = self._leader_group = None
         self._header_bufs, self._carry = {}, None  # its native calls are the groups' bound methods
 

@@ -107,6 +107,30 @@ def test_a_round_counted_complete_by_an_outsider_waits_for_every_rank_place() ->
     assert [(s.epoch, s.members) for s in seats] == [("round-0", (0, 1))] * 2
 
 
+def test_a_newcomer_comes_in_only_once_it_answers_a_fresh_challenge_with_the_key() -> None:
+    """A place in the open round, signed (as one replayed from an earlier job with the same key would
+    be), is not enough: rank 0 challenges it with a nonce it alone remembers."""
+    from distcomm._elastic.membership import waiting_newcomers
+    from distcomm._launching.rendezvous import Seat, answer_challenge, challenge_key
+
+    raw = _store()
+    job = Records(_c10d.PrefixStore("distcomm/s", raw), JobKey(b"the job's own key, 16+"), "distcomm/s/")
+    job.add("round", 1)
+    job.set("round-1/world", "3")
+    job.set("round-1/rank/2", "old host pid 7 00ff")  # a newcomer's place (or a copy of an old job's)
+    seat = Seat(job, "epoch-3-abcd", 0, (0, 1), "me", "here", False)
+    assert waiting_newcomers(seat, (0, 1), {})[1] == {}
+    nonce = job.read(f"round-1/{challenge_key(2, 'old host pid 7 00ff')}")
+    assert nonce and len(nonce) == 32
+    assert waiting_newcomers(seat, (0, 1), {})[1] == {}  # no answer: still waiting
+    raw.set("distcomm/s/round-1/answer/2/old host pid 7 00ff", nonce)  # echoed without the key: not an answer
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert waiting_newcomers(seat, (0, 1), {})[1] == {}
+    answer_challenge(job.under("round-1"), 2, "old host pid 7 00ff")  # the key holder's answer
+    assert waiting_newcomers(seat, (0, 1), {})[1] == {2: "old host pid 7 00ff"}
+
+
 # ---------------------------------------------------------------- the state's hand-over
 def test_the_safe_loader_carries_a_models_state_dict_and_only_its_metadata() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
@@ -359,3 +383,42 @@ def test_cli_refuses_replacements_across_machines_without_a_key() -> None:
     assert out.returncode == 2 and "only holders of the job's key come in" in out.stderr, out.stderr
     out = cli("run", "x.py", env={"DISTCOMM_JOB_KEY": "short"})
     assert out.returncode == 2 and "it needs 16 or more" in out.stderr, out.stderr
+
+
+# ---------------------------------------------------------------- every message authenticated
+def test_an_authenticated_payload_changed_on_the_way_is_refused_before_anything_loads_it() -> None:
+    seen: list[int] = []
+
+    class Counting(distcomm.PickleSerializer):
+        def loads(self, segments: Any) -> Any:
+            seen.append(len(segments))
+            return super().loads(segments)
+
+    sender = distcomm.AuthenticatedSerializer(Counting(), key="the job's own key, 16+")
+    payload = [bytearray(s) for s in sender.dumps({"step": 3, "w": torch.ones(20000)})]
+    assert sender.loads([memoryview(p) for p in payload])["step"] == 3 and seen == [len(payload) - 1]
+    payload[0][-2] ^= 1  # a byte changed on the path
+    with pytest.raises(distcomm.UnsafePayloadError, match="MAC doesn't match the job's key"):
+        sender.loads([memoryview(p) for p in payload])
+    other = distcomm.AuthenticatedSerializer(key="another job's key, 16+")
+    with pytest.raises(distcomm.UnsafePayloadError):
+        other.loads([memoryview(s) for s in sender.dumps(1)])
+    assert seen == [len(payload) - 1]  # the inner loader never saw the refused ones
+    with pytest.raises(ValueError, match="needs the job's key"):
+        distcomm.AuthenticatedSerializer()
+
+
+def _authenticated_job(comm: distcomm.Communicator) -> tuple[str, list[int], float]:
+    model = torch.nn.Linear(2, 2)
+    torch.manual_seed(comm.rank)
+    torch.nn.init.normal_(model.weight)
+    comm.sync_state(model)
+    return repr(comm.serializer), comm.all_gather(comm.rank), float(model.weight.sum())
+
+
+def test_a_job_whose_messages_are_all_authenticated_runs_its_calls_and_hands_over_its_state(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DISTCOMM_SERIALIZER", "authenticated")  # (the key: spawn() makes the job's)
+    got = distcomm.testing.spawn(_authenticated_job, 3, timeout=WAIT)
+    assert all(g[0].startswith("AuthenticatedSerializer(PickleSerializer") and g[1] == [0, 1, 2] for g in got)
+    assert got[0][2] == got[1][2] == got[2][2]

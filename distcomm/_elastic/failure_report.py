@@ -118,7 +118,7 @@ def store_says(comm: _TorchCommunicator, seen: dict[int, float], now: float, col
     try:
         if shrink_begun(seat.job, seat.epoch):
             return "left"
-        if collective and comm._store is not None and comm._token and comm._store.check([_failed_key(comm)]):
+        if collective and comm._reports is not None and comm._token and comm._reports.check([_failed_key(comm)]):
             return "failed"
     except Exception:  # noqa: S110 - the store is gone: said elsewhere
         pass
@@ -137,25 +137,26 @@ def ask_store(comm: _TorchCommunicator, grace: float,
     Return who reached this call, and what each rank that failed in any call reported;
     or why not: no store to ask (or set-up, before the ranks share a token), or it didn't answer.
     ``lost``: the transport lost a connection (its peer may be exiting)."""
-    if comm._store is None or not comm._token:
+    reports = comm._reports
+    if reports is None or not comm._token:
         return "no store"
     if not _store_answers(comm, lost):
         return "unreachable"
     prefix = f"distcomm/{comm._token}/{comm._seq}/"
     states = f"distcomm/{comm._token}/state/"
     try:
-        comm._store.set(states + str(comm._rank), comm._state())
-        comm._store.set(prefix + str(comm._rank), "1")
+        reports.set(states + str(comm._rank), comm._state())
+        reports.set(prefix + str(comm._rank), "1")
         if lost:  # (the ranks still waiting in it learn it: store_says; a timeout is each rank's own)
-            comm._store.set(_failed_key(comm), "1")
+            reports.set(_failed_key(comm), "1")
         deadline = time.monotonic() + grace
         while True:
-            present = [r for r in range(comm._world) if comm._store.check([prefix + str(r)])]
+            present = [r for r in range(comm._world) if reports.check([prefix + str(r)])]
             if time.monotonic() > deadline or all(_gone(comm, r) for r in range(comm._world) if r not in present):
                 break
             time.sleep(0.05)
-        told = {r: comm._store.get(states + str(r)).decode("utf-8", "replace")
-                for r in range(comm._world) if comm._store.check([states + str(r)])}
+        said = {r: reports.read(states + str(r)) for r in range(comm._world)}
+        told = {r: text.decode("utf-8", "replace") for r, text in said.items() if text is not None}
         return present, told
     except Exception:  # the store may be gone with the peer that hosted it
         return "unreachable"

@@ -39,8 +39,9 @@ from .._errors import CollectiveTimeoutError, CommunicatorStateError, DistCommEr
 from .._trust.key import KEY_VAR, JobKey
 from .._trust.records import Records
 
-__all__ = ["Seat", "admitted_key", "admitted_seat", "beat_key", "beat_of", "meet", "parse_url", "pid_key",
-           "ranks_in", "moving", "refused_key", "serve_store", "tcp_store", "unreachable_here", "unresolved", "who_key"]
+__all__ = ["Seat", "admitted_key", "admitted_seat", "answer_challenge", "answer_key", "beat_key", "beat_of",
+           "challenge_key", "meet", "moving", "parse_url", "pid_key", "ranks_in", "refused_key", "serve_store",
+           "tcp_store", "unreachable_here", "unresolved", "who_key"]
 
 POLL_FIRST, POLL_LAST = 0.01, 0.5
 """Seconds between looks at the store while a process waits for its round: soon at first (ranks
@@ -179,7 +180,7 @@ def _complete(job: Records, rnd: Records, world: int, token: str) -> None:
 
 
 _KEYED = "keyed"
-"""A plain mark, set by the job's first rank 0: whether the job has a key. It decides nothing (an
+"""A plain mark, set by the ranks of a job's first round: whether the job has a key. It decides nothing (an
 outsider may write it); it lets a process started without the key say why it can't come in."""
 
 
@@ -254,6 +255,8 @@ def _wait_for_round(job: Records, number: int, rank: int, world: int, token: str
             if watch.gone():
                 raise watch.went_away(rank, where)
             found = [k for k in ("complete", admitted_key(rank, token), refused_key(rank, token)) if rnd.check([k])]
+            if number and rnd.key is not None:
+                answer_challenge(rnd, rank, token)
             holder = (rnd.read(f"rank/{rank}") or b"").decode()  # (another process in this place: told at once)
             if found or time.monotonic() > deadline or holder not in (token, ""):
                 break
@@ -279,6 +282,25 @@ def admitted_key(rank: int, token: str) -> str:
     """The key, in a round, that lets the process ``token`` in as ``rank`` (its value: the epoch).
     Keyed by process: a later replacement of the same rank waits for its own."""
     return f"admitted/{rank}/{token}"
+
+
+def challenge_key(rank: int, token: str) -> str:
+    """The key, in a round, where the members' rank 0 challenges the process ``token`` waiting as
+    ``rank`` (its value: a fresh nonce, which that rank 0 alone remembers)."""
+    return f"challenge/{rank}/{token}"
+
+
+def answer_key(rank: int, token: str) -> str:
+    """Where the process ``token`` answers its challenge: the nonce, signed with the job's key."""
+    return f"answer/{rank}/{token}"
+
+
+def answer_challenge(rnd: Records, rank: int, token: str) -> None:
+    """Answer the members' challenge, if there is a new one: a newcomer proves it holds the job's
+    key over a nonce the members made (a record replayed from an earlier job can't)."""
+    nonce = rnd.read(challenge_key(rank, token))
+    if nonce and rnd.read(answer_key(rank, token)) != nonce:
+        rnd.set(answer_key(rank, token), nonce)
 
 
 def refused_key(rank: int, token: str) -> str:

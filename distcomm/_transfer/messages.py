@@ -321,19 +321,20 @@ def _peer_wait(comm: _TorchCommunicator, what: str, peer: int, timeout: float | 
     pair may wait on different tags)."""
     sending = what.startswith("send")
     needed = f"rank {peer} didn't {'receive' if sending else 'send'} it"
-    if comm._store is None or not comm._token:
+    reports = comm._reports
+    if reports is None or not comm._token:
         return False, needed
     key = f"distcomm/{comm._token}/p2p/"
     mine, theirs = f"{key}{comm._rank}/{peer}", f"{key}{peer}/{comm._rank}"
     try:
-        comm._store.set(mine, what)
+        reports.set(mine, what)
         deadline = time.monotonic() + (2.0 if timeout is None else min(2.0, max(0.5, timeout / 4)))
-        if _appears(comm._store, theirs, deadline):
-            said = comm._store.get(theirs).decode("utf-8", "replace")
+        if _appears(reports, theirs, deadline):
+            said = reports.get(theirs).decode("utf-8", "replace")
             if store_host(comm) == comm._rank:
-                _wait_until_read(comm._store, mine, deadline)
+                _wait_until_read(reports, mine, deadline)
             else:  # (what the store's host waits for)
-                comm._store.set(f"{theirs}/read", "")
+                reports.set(f"{theirs}/read", "")
             return True, f"{needed}; it was waiting in {said} (this rank: {what})"
     except Exception:  # noqa: S110 - the store may be gone with its host: the plain message will do
         pass

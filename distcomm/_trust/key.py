@@ -34,10 +34,10 @@ class JobKey:
     def __init__(self, secret: bytes) -> None:
         self._base = hmac.new(secret, digestmod=hashlib.sha256)
 
-    def mac(self, *parts: bytes) -> bytes:
+    def mac(self, *parts: bytes | memoryview) -> bytes:
         h = self._base.copy()  # (the key's pads are hashed once, in __init__)
         for part in parts:
-            h.update(len(part).to_bytes(8, "little"))
+            h.update(memoryview(part).nbytes.to_bytes(8, "little"))
             h.update(part)
         return h.digest()[:MAC_BYTES]
 

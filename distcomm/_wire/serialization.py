@@ -16,6 +16,7 @@ import abc
 import contextlib
 import contextvars
 import copyreg
+import hmac
 import io
 import linecache
 import marshal
@@ -30,15 +31,16 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import cloudpickle
 import torch
 
-from .._errors import SerializationError
+from .._errors import SerializationError, UnsafePayloadError
+from .._trust.key import KEY_VAR, JobKey, job_key
 from . import safe as _safe
 from .tensor_pickle import reduce_tensor
 
 if TYPE_CHECKING:
     from .._communicator import Communicator
 
-__all__ = ["PickleSerializer", "SafeSerializer", "Serializer", "carry_loader", "default_serializer", "dumps_code",
-           "loader", "loading_with"]
+__all__ = ["AuthenticatedSerializer", "PickleSerializer", "SafeSerializer", "Serializer", "carry_loader",
+           "default_serializer", "dumps_code", "loader", "loading_with"]
 
 _R = TypeVar("_R")
 
@@ -325,11 +327,57 @@ def _cell(cell: Any) -> Any:
         return None
 
 
+class AuthenticatedSerializer(Serializer):
+    """Another serializer's payloads, each carrying a MAC under the job's key, checked before the
+    inner serializer sees a byte: someone on the path between two ranks can't make one load bytes
+    of its choosing (it can still hold back or replay a payload a member sent). For networks where
+    someone could sit on the path; it costs an HMAC-SHA256 of each payload where it is made and
+    where it is loaded (docs/trust-model.md). Tensor collectives' tensors are not covered.
+
+    Args:
+        inner: the serializer whose payloads it authenticates (default ``PickleSerializer()``).
+        key: the job's key (default: this process's, ``DISTCOMM_JOB_KEY`` or its file).
+    """
+
+    def __init__(self, inner: Serializer | None = None, *, key: str | None = None) -> None:
+        self.inner = PickleSerializer() if inner is None else inner
+        if isinstance(self.inner, AuthenticatedSerializer):
+            raise TypeError("AuthenticatedSerializer over an AuthenticatedSerializer: give the inner one")
+        made = JobKey(key.encode()) if key else job_key()
+        if made is None:
+            raise ValueError(f"AuthenticatedSerializer needs the job's key: give every process the same {KEY_VAR} "
+                             f"(16 or more characters); python -m distcomm run, launch() and testing.spawn() make one")
+        self._key = made
+        self.name = f"authenticated {self.inner.name}"
+
+    def around(self, inner: Serializer) -> AuthenticatedSerializer:
+        """``inner``'s payloads, authenticated with this one's key."""
+        other = AuthenticatedSerializer.__new__(AuthenticatedSerializer)
+        other.inner, other._key, other.name = inner, self._key, f"authenticated {inner.name}"
+        return other
+
+    def dumps(self, obj: Any) -> list[memoryview]:
+        segments = self.inner.dumps(obj)
+        return [*segments, memoryview(self._key.mac(b"payload", *segments))]
+
+    def loads(self, segments: Sequence[memoryview]) -> Any:
+        if len(segments) < 2 or not hmac.compare_digest(bytes(segments[-1]),
+                                                        self._key.mac(b"payload", *segments[:-1])):
+            raise UnsafePayloadError("AuthenticatedSerializer refused a payload whose MAC doesn't match the job's "
+                                     "key: it was changed on the way, or doesn't come from a process of the job")
+        return self.inner.loads(segments[:-1])
+
+    def __repr__(self) -> str:
+        return f"AuthenticatedSerializer({self.inner!r})"
+
+
 def default_serializer() -> Serializer:
-    """The serializer named by DISTCOMM_SERIALIZER ("pickle", the default, or "safe")."""
+    """The serializer named by DISTCOMM_SERIALIZER ("pickle", the default, "safe", or either
+    authenticated: "authenticated" or "authenticated-safe")."""
     choice = os.environ.get("DISTCOMM_SERIALIZER", "pickle").strip().lower()
-    if choice in ("", "pickle"):
-        return PickleSerializer()
-    if choice == "safe":
-        return SafeSerializer()
-    raise ValueError(f"DISTCOMM_SERIALIZER={choice!r}: expected 'pickle' or 'safe'")
+    inner, authenticated = choice.removeprefix("authenticated").lstrip("-"), choice.startswith("authenticated")
+    if inner in ("", "pickle", "safe"):
+        made: Serializer = SafeSerializer() if inner == "safe" else PickleSerializer()
+        return AuthenticatedSerializer(made) if authenticated else made
+    raise ValueError(f"DISTCOMM_SERIALIZER={choice!r}: expected 'pickle', 'safe', 'authenticated' or "
+                     f"'authenticated-safe'")

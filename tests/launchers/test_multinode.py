@@ -3,6 +3,7 @@ with the variables its launcher would set on that node (torchrun itself, for tor
 
 from __future__ import annotations
 
+import secrets
 import sys
 import textwrap
 from collections.abc import Iterator
@@ -139,10 +140,12 @@ def test_torchrun_multi_node_workers_meet_again_after_a_restart(nodes: list[str]
 
 
 def _distcomm_run(nodes: list[str], port: str, *args: str) -> list[tuple[str, list[str], dict[str, str]]]:
-    """One ``python -m distcomm run`` agent per node; the first node's serves the job's store."""
+    """One ``python -m distcomm run`` agent per node; the first node's serves the job's store. Each is
+    given the job's key, as a user gives it to agents on several machines."""
+    key = {"DISTCOMM_JOB_KEY": secrets.token_urlsafe(32)}
     return [(nodes[n], [sys.executable, "-m", "distcomm", "run", "--nnodes", str(NODES), "--node-rank", str(n),
                         "--nproc-per-node", str(PER_NODE), "--master-addr", f"{SUBNET}.1", "--master-port", port,
-                        *args], python_env(NIC)) for n in range(NODES)]
+                        *args], {**python_env(NIC), **key}) for n in range(NODES)]
 
 
 def test_distcomm_run_multi_node(nodes: list[str], scripts: Path) -> None:
