@@ -64,11 +64,12 @@ lint: $(STAMP)  ## ruff
 typecheck: $(STAMP)  ## mypy --strict
 	$(BIN)/mypy distcomm
 
-bench: $(STAMP)  ## quick timing against torch at 2-16 ranks (bytes per call beside time), small calls beside an earlier commit's (AGAINST=2e312e0), tensor collectives, async overlap (writes benchmarks/out/)
+bench: $(STAMP)  ## quick timing against torch at 2-16 ranks (bytes per call beside time), small calls beside an earlier commit's (AGAINST=2e312e0), tensor collectives, async overlap, what the job's key costs (writes benchmarks/out/)
 	$(BIN)/python benchmarks/run.py --quick
 	$(BIN)/python benchmarks/against.py --commit $(AGAINST)
 	$(BIN)/python benchmarks/tensors.py --quick
 	$(BIN)/python benchmarks/overlap.py
+	$(BIN)/python benchmarks/members_only.py
 
 bench-full: $(STAMP)  ## the README's figures: full runs at 2-8 ranks, sweep, peak memory (benchmarks/results/)
 	$(BIN)/python benchmarks/run.py --save

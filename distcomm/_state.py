@@ -81,14 +81,15 @@ def _hand_over(comm: Communicator, objects: tuple[Any, ...], states: list[Any], 
 def check_identical(comm: Communicator, objects: tuple[Any, ...]) -> None:
     """``Communicator.check_identical``: raise CollectiveMismatchError on every rank, naming the
     ranks whose state differs from the first member's (``sync_state``'s source) and the first key
-    that differs."""
-    states, digests = _fingerprints(comm, objects, "check_identical")
-    src = _first_member(comm)
-    differ = [r for r in range(comm.world_size) if digests[r] != digests[src]]
-    if not differ:
-        return
-    keyed = [[(key, _leaf_digest(leaf)) for key, leaf in _leaves(state)] for state in states]
-    tables = comm.all_gather(keyed if comm.rank in (src, *differ) else None)  # (only when they differ)
+    that differs. Fingerprints and keys are loaded with the safe loader, as ``sync_state``'s."""
+    with loading_with(_state_loader(comm, ())):
+        states, digests = _fingerprints(comm, objects, "check_identical")
+        src = _first_member(comm)
+        differ = [r for r in range(comm.world_size) if digests[r] != digests[src]]
+        if not differ:
+            return
+        keyed = [[(key, _leaf_digest(leaf)) for key, leaf in _leaves(state)] for state in states]
+        tables = comm.all_gather(keyed if comm.rank in (src, *differ) else None)  # (only when they differ)
     names = [type(obj).__name__ for obj in objects]
     raise CollectiveMismatchError(_where_they_differ(tables, src, differ, names), op="check_identical", ranks=differ)
 

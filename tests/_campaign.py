@@ -28,6 +28,8 @@ from pathlib import Path
 import distcomm
 from distcomm._launching.rendezvous import serve_store
 
+from ._jobs import job_key_for
+
 RANK_PROGRAM = textwrap.dedent("""
     import faulthandler, json, os, random, signal, sys, threading, time
     import torch
@@ -202,7 +204,8 @@ class _Process:
               extra: dict[str, str]) -> _Process:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "RANK": str(rank), "WORLD_SIZE": str(world),
                "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "DISTCOMM_STORE": "external", **extra}
+               "MASTER_PORT": str(port), "DISTCOMM_STORE": "external",
+               "DISTCOMM_JOB_KEY": job_key_for(port), **extra}  # (the key, as a user gives it: replacements need it)
         stem = script.parent / name.replace(" ", "-")
         out, err = stem.with_suffix(".out"), stem.with_suffix(".err")
         with out.open("wb") as o, err.open("wb") as e:

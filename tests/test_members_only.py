@@ -107,28 +107,31 @@ def test_a_round_counted_complete_by_an_outsider_waits_for_every_rank_place() ->
     assert [(s.epoch, s.members) for s in seats] == [("round-0", (0, 1))] * 2
 
 
-def test_a_newcomer_comes_in_only_once_it_answers_a_fresh_challenge_with_the_key() -> None:
-    """A place in the open round, signed (as one replayed from an earlier job with the same key would
-    be), is not enough: rank 0 challenges it with a nonce it alone remembers."""
+def test_a_newcomer_comes_in_only_over_a_ticket_of_the_members_own() -> None:
+    """A place in the open round, signed (as one copied from an earlier job with the same key would
+    be), is not enough: the newcomer proves the key over the ticket of a membership the members were
+    in (a digest of their fresh nonces); a proof over an earlier job's ticket, or unsigned, is not one."""
     from distcomm._elastic.membership import waiting_newcomers
-    from distcomm._launching.rendezvous import Seat, answer_challenge, challenge_key
+    from distcomm._launching.rendezvous import TICKET, Seat, prove_to_members
+    from distcomm._trust.handshake import remember_ticket
 
     raw = _store()
     job = Records(_c10d.PrefixStore("distcomm/s", raw), JobKey(b"the job's own key, 16+"), "distcomm/s/")
     job.add("round", 1)
     job.set("round-1/world", "3")
-    job.set("round-1/rank/2", "old host pid 7 00ff")  # a newcomer's place (or a copy of an old job's)
+    token = "old host pid 7 00ff"
+    job.set("round-1/rank/2", token)  # a newcomer's place (or a copy of an earlier job's)
     seat = Seat(job, "epoch-3-abcd", 0, (0, 1), "me", "here", False)
+    job.set(f"round-1/proof/2/{token}", "epoch-3-abcd:an earlier job's ticket")
     assert waiting_newcomers(seat, (0, 1), {})[1] == {}
-    nonce = job.read(f"round-1/{challenge_key(2, 'old host pid 7 00ff')}")
-    assert nonce and len(nonce) == 32
-    assert waiting_newcomers(seat, (0, 1), {})[1] == {}  # no answer: still waiting
-    raw.set("distcomm/s/round-1/answer/2/old host pid 7 00ff", nonce)  # echoed without the key: not an answer
+    remember_ticket("epoch-3-abcd:0123456789abcdef01234567")  # (what this process's group formed with)
+    job.set(TICKET, "epoch-3-abcd:0123456789abcdef01234567")
+    raw.set(f"distcomm/s/round-1/proof/2/{token}", b"epoch-3-abcd:0123456789abcdef01234567")  # unsigned
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert waiting_newcomers(seat, (0, 1), {})[1] == {}
-    answer_challenge(job.under("round-1"), 2, "old host pid 7 00ff")  # the key holder's answer
-    assert waiting_newcomers(seat, (0, 1), {})[1] == {2: "old host pid 7 00ff"}
+    prove_to_members(job, job.under("round-1"), 2, token, b"")  # the key holder's proof, over the ticket
+    assert waiting_newcomers(seat, (0, 1), {})[1] == {2: token}
 
 
 # ---------------------------------------------------------------- the state's hand-over

@@ -25,7 +25,7 @@ import distcomm.testing
 from distcomm._elastic.liveness import alive
 from distcomm._launching.rendezvous import meet, serve_store
 
-from ._jobs import WAIT
+from ._jobs import WAIT, job_key_for
 from ._jobs import ended as _ended
 from ._jobs import job as _job
 
@@ -773,7 +773,7 @@ def test_a_replacement_with_another_world_size_is_refused_naming_both_sizes(tmp_
     time.sleep(2.0)
     script = tmp_path / "job.py"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "RANK": "1", "WORLD_SIZE": "3",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "DISTCOMM_JOB_KEY": job_key_for(port)}
     odd = subprocess.run([sys.executable, str(script)], env=env, cwd=tmp_path, text=True, capture_output=True,
                          timeout=WAIT)
     ended = _ended(procs)

@@ -26,16 +26,16 @@ from .._launching.rendezvous import (
     Seat,
     admitted_key,
     admitted_seat,
-    answer_key,
     beat_of,
-    challenge_key,
     pid_key,
+    proof_key,
     ranks_in,
     refused_key,
     who_key,
 )
 from .._state import check_identical, sync_state
 from .._transfer.transport import front_door
+from .._trust.handshake import known_ticket
 from .._trust.key import KEY_FILE_VAR, KEY_VAR
 from .._trust.records import Records
 from .keepalive import broken_key, keep_alive
@@ -211,23 +211,11 @@ def waiting_newcomers(seat: Seat, members: Iterable[int],
 
 
 def _proven(rnd: Records, rank: int, token: str) -> bool:
-    """Whether the newcomer ``token`` waiting as ``rank`` has answered this process's challenge with
-    the job's key; else challenge it (a fresh nonce, remembered here: a record replayed from an
-    earlier job with the same key can't answer it). It answers within its next look at the round,
-    and comes in at an admit after that."""
-    name = f"{rnd.path}{challenge_key(rank, token)}"
-    nonce = _CHALLENGES.get(name)
-    if nonce is not None and rnd.read(answer_key(rank, token)) == nonce:
-        return True
-    if nonce is None:
-        nonce = _CHALLENGES[name] = secrets.token_hex(16).encode()
-    if rnd.read(challenge_key(rank, token)) != nonce:  # (set again where another rank 0's, or none, is there)
-        rnd.set(challenge_key(rank, token), nonce)
-    return False
-
-
-_CHALLENGES: dict[str, bytes] = {}
-"""The nonces this process challenged newcomers with, by the challenge's full name."""
+    """Whether the newcomer ``token`` waiting as ``rank`` proved it holds the job's key over the
+    ticket of a membership this process was in (fresh: made of its members' nonces when its group
+    formed, so a proof copied from an earlier job with the same key names none of them)."""
+    ticket = rnd.read(proof_key(rank, token))
+    return ticket is not None and known_ticket(ticket.decode())
 
 
 _NO_KEY = (f"this job has no key, and only a job with one lets a process in once it runs (an outsider who can "

@@ -39,9 +39,9 @@ from .._errors import CollectiveTimeoutError, CommunicatorStateError, DistCommEr
 from .._trust.key import KEY_VAR, JobKey
 from .._trust.records import Records
 
-__all__ = ["Seat", "admitted_key", "admitted_seat", "answer_challenge", "answer_key", "beat_key", "beat_of",
-           "challenge_key", "meet", "moving", "parse_url", "pid_key", "ranks_in", "refused_key", "serve_store",
-           "tcp_store", "unreachable_here", "unresolved", "who_key"]
+__all__ = ["TICKET", "Seat", "admitted_key", "admitted_seat", "beat_key", "beat_of", "meet", "moving", "parse_url",
+           "pid_key", "proof_key", "prove_to_members", "ranks_in", "refused_key", "serve_store", "tcp_store",
+           "unreachable_here", "unresolved", "who_key"]
 
 POLL_FIRST, POLL_LAST = 0.01, 0.5
 """Seconds between looks at the store while a process waits for its round: soon at first (ranks
@@ -249,6 +249,7 @@ def _wait_for_round(job: Records, number: int, rank: int, world: int, token: str
     rnd = job.under(f"round-{number}")
     found: list[str] = []
     holder = token
+    proved = b""
     pause = POLL_FIRST
     try:  # looked at, not waited on: a timed-out wait fills the output with torch's C++ warnings
         while True:
@@ -256,7 +257,7 @@ def _wait_for_round(job: Records, number: int, rank: int, world: int, token: str
                 raise watch.went_away(rank, where)
             found = [k for k in ("complete", admitted_key(rank, token), refused_key(rank, token)) if rnd.check([k])]
             if number and rnd.key is not None:
-                answer_challenge(rnd, rank, token)
+                proved = prove_to_members(job, rnd, rank, token, proved)
             holder = (rnd.read(f"rank/{rank}") or b"").decode()  # (another process in this place: told at once)
             if found or time.monotonic() > deadline or holder not in (token, ""):
                 break
@@ -284,23 +285,25 @@ def admitted_key(rank: int, token: str) -> str:
     return f"admitted/{rank}/{token}"
 
 
-def challenge_key(rank: int, token: str) -> str:
-    """The key, in a round, where the members' rank 0 challenges the process ``token`` waiting as
-    ``rank`` (its value: a fresh nonce, which that rank 0 alone remembers)."""
-    return f"challenge/{rank}/{token}"
+TICKET = "ticket"
+"""Where the members' rank 0 publishes the ticket of their membership (``_trust.handshake``): a
+digest of every member's fresh nonce, new with each membership."""
 
 
-def answer_key(rank: int, token: str) -> str:
-    """Where the process ``token`` answers its challenge: the nonce, signed with the job's key."""
-    return f"answer/{rank}/{token}"
+def proof_key(rank: int, token: str) -> str:
+    """Where, in a round, the process ``token`` waiting as ``rank`` proves it holds the job's key: a
+    membership's ticket, signed. The members let it in only over a ticket of their own: a proof
+    copied from an earlier job (same key, same names) names a membership they never were."""
+    return f"proof/{rank}/{token}"
 
 
-def answer_challenge(rnd: Records, rank: int, token: str) -> None:
-    """Answer the members' challenge, if there is a new one: a newcomer proves it holds the job's
-    key over a nonce the members made (a record replayed from an earlier job can't)."""
-    nonce = rnd.read(challenge_key(rank, token))
-    if nonce and rnd.read(answer_key(rank, token)) != nonce:
-        rnd.set(answer_key(rank, token), nonce)
+def prove_to_members(job: Records, rnd: Records, rank: int, token: str, proved: bytes) -> bytes:
+    """Prove the key over the members' latest ticket, where it is new (``proved``: the last one
+    proven over); the ticket proven over."""
+    ticket = job.read(TICKET) or b""
+    if ticket and ticket != proved:
+        rnd.set(proof_key(rank, token), ticket)
+    return ticket
 
 
 def refused_key(rank: int, token: str) -> str:

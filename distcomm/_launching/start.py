@@ -29,12 +29,12 @@ from .._elastic.keepalive import keep_alive
 from .._elastic.membership import job_pids, reformed, shrink_begun, successor
 from .._errors import CommunicatorStateError, PeerError
 from .._transfer.messages import settle_limit
-from .._trust.handshake import prove_members
+from .._trust.handshake import prove_members, remember_ticket
 from .._trust.key import job_key
 from .._wire.memory import seconds as _seconds
 from .launchers import LaunchEnv
 from .ports import free_port
-from .rendezvous import Seat, meet, parse_url, unreachable_here, unresolved
+from .rendezvous import TICKET, Seat, meet, parse_url, unreachable_here, unresolved
 
 if TYPE_CHECKING:
     from .._torch import _TorchCommunicator
@@ -161,7 +161,11 @@ def _form(cls: type[_TorchCommunicator], seat: Seat, store: WatchedStore, second
             dist.init_process_group("nccl", store=store, rank=rank, world_size=world, timeout=td, device_id=device)
         else:
             init_gloo(store, rank, world, td, lazily=not seat.epoch.startswith("round-"))
-        prove_members(seat.job.key, seat.epoch, seat.members, kwargs.get("device"))  # (before set-up loads a byte)
+        ticket = prove_members(seat.job.key, seat.epoch, seat.members, kwargs.get("device"))  # (before set-up)
+        if ticket is not None:  # (newcomers prove the key over it: see rendezvous.prove_to_members)
+            remember_ticket(ticket)
+            if rank == 0:
+                seat.job.set(TICKET, ticket)
         pids = store.known_pids(refresh=True)
         comm = cls(None, _owns_default=True, _pids={i: pids[r] for i, r in enumerate(seat.members) if r in pids},
                    _seat=seat, **kwargs)

@@ -9,6 +9,8 @@ sees every answer, so all of them find the same impostors and fail alike, naming
 
 from __future__ import annotations
 
+import collections
+import hashlib
 import hmac
 import secrets
 from typing import Any
@@ -19,19 +21,22 @@ import torch.distributed as dist
 from .._errors import AuthenticationError
 from .key import MAC_BYTES, JobKey
 
-__all__ = ["prove_members"]
+__all__ = ["known_ticket", "prove_members", "remember_ticket"]
 
 _NONCE_BYTES = 16
 
 
 def prove_members(key: JobKey | None, epoch: str, job_ranks: tuple[int, ...], device: Any = None,
-                  group: Any = None) -> None:
+                  group: Any = None) -> str | None:
     """On ``group`` just formed (default: the default group; ``job_ranks[r]``: its rank ``r``'s job
     rank, or global rank): raise AuthenticationError on every member where a member can't answer
     with the job's key. A job without a key has nothing to prove (torch's own trust model). Every
-    group distcomm makes is proven (``_TorchCommunicator._new_group``): objects travel on several."""
+    group distcomm makes is proven (``_TorchCommunicator._new_group``): objects travel on several.
+
+    Returns the group's ticket: ``epoch`` and a digest of every member's nonce, the same on every
+    member, new in every group and never known to an earlier job (None without a key)."""
     if key is None:
-        return
+        return None
     nonces = _all_gather(secrets.token_bytes(_NONCE_BYTES), device, group)
     challenge = b"".join(nonces)
 
@@ -45,6 +50,21 @@ def prove_members(key: JobKey | None, epoch: str, job_ranks: tuple[int, ...], de
             f"{epoch}: rank(s) {bad} (job rank(s) {[job_ranks[r] for r in bad]}) could not prove they hold the job's "
             f"key: a process that is none of the job's took their place in its group, or they were started with "
             f"another key; nothing from them was loaded", op="rendezvous", ranks=bad)
+    return f"{epoch}:{hashlib.blake2b(challenge, digest_size=12).hexdigest()}"
+
+
+def remember_ticket(ticket: str) -> None:
+    """This process is a member of the membership ``ticket`` names (see ``prove_members``)."""
+    _TICKETS.append(ticket)
+
+
+def known_ticket(ticket: str) -> bool:
+    """Whether ``ticket`` names a membership this process was a member of (one of the last few):
+    a newcomer that proves the key over it proves it now, not in an earlier job."""
+    return ticket in _TICKETS
+
+
+_TICKETS: collections.deque[str] = collections.deque(maxlen=64)
 
 
 def _all_gather(mine: bytes, device: Any, group: Any) -> list[bytes]:
