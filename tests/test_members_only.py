@@ -136,8 +136,15 @@ def test_a_newcomer_comes_in_only_over_a_ticket_of_the_members_own() -> None:
 
 # ---------------------------------------------------------------- the state's hand-over
 def test_the_safe_loader_carries_a_models_state_dict_and_only_its_metadata() -> None:
-    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
     safe = distcomm.SafeSerializer()
+    big = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 256), torch.nn.Linear(256, 64))
+    adam = torch.optim.Adam(big.parameters())
+    big(torch.ones(2, 256)).sum().backward()
+    adam.step()  # its tensors travel out of band: charged against the bytes received with them
+    segments = distcomm.PickleSerializer().dumps([big.state_dict(), adam.state_dict()])
+    assert len(segments) > 4
+    assert safe.loads([memoryview(s) for s in segments])[1]["state"].keys() == adam.state_dict()["state"].keys()
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
     state = safe.loads([memoryview(s) for s in safe.dumps(model.state_dict())])
     assert state._metadata == model.state_dict()._metadata
     torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2)).load_state_dict(state)

@@ -349,13 +349,15 @@ class _Loader(pickle._Unpickler):
     append: Callable[[Any], None]
 
     def __init__(self, file: io.BytesIO, buffers: Iterable[Any], allowed: frozenset[tuple[str, str]]) -> None:
+        buffers = list(buffers)
         super().__init__(file, buffers=buffers)
         self._file = file
         self._allowed = allowed
         self._specs: dict[int, _DtypeSpec] = {}  # placeholders whose state is still to come
         self._fresh: dict[int, np.ndarray[Any, Any]] = {}  # arrays made here whose state is still to come
         self.memo: list[Any] = []  # indices are positions: 8 bytes an entry
-        received = file.getbuffer().nbytes
+        # the stream and the out-of-band buffers: a tensor over a buffer is charged the buffer's size
+        received = file.getbuffer().nbytes + sum(memoryview(b).nbytes for b in buffers)
         self._budget = _CALL_BUDGET * received + (1 << 20)  # what calls may allocate
         self._hash_budget = _HASH_BUDGET * received + _HASH_FREE  # entries that hashing may visit
         # Values whose hash visits more than their own entries (tuples and frozensets with tuples or frozensets
