@@ -135,6 +135,9 @@ class Communicator(ObjectConveniences, PointToPoint, SubCommunicators, ElasticMe
     """The communicator a ``shrink()`` or ``admit()`` of this one made: ``use(comm)`` then follows it."""
     _let_in_at: float | None = None
     """When ``from_env()`` returned to a replacement the members let in: until its first call, they wait."""
+    _holds_state = True
+    """Whether this rank holds the job's trained state: not a newcomer until ``sync_state`` hands it
+    the members' (kept across shrink, admit and split: ``sync_state`` takes its source among these)."""
 
     serializer: Serializer = _fixed("serializer")  # type: ignore[assignment]
     max_bytes: int | None = _fixed("max_bytes")  # type: ignore[assignment]

@@ -40,6 +40,7 @@ def split(comm: Communicator, color: int | None, key: int, members: tuple[int, .
     sub = comm._make_sub(ordered, mine, timeout)  # set up within the call's timeout
     if sub is not None:
         sub._timeout = comm._timeout  # then waits as long as its parent by default, not as long as set-up took
+        sub._holds_state = comm._holds_state  # (a stage's group: its newcomers are no source of state)
     for k in [k for k, c in comm._children.items() if c._closed]:  # closed ones are let go
         del comm._children[k]
     if sub is not None:

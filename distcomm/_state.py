@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ._errors import CollectiveMismatchError, SerializationError, is_rank_loss
+from ._errors import CollectiveMismatchError, CommunicatorStateError, SerializationError, is_rank_loss
 from ._wire.serialization import AuthenticatedSerializer, SafeSerializer, Serializer, loading_with
 
 if TYPE_CHECKING:
@@ -29,21 +29,23 @@ _STATE_TAG = 0x3FFF_5A7E  # (tags are below 2**30)
 
 
 def sync_state(comm: Communicator, objects: tuple[Any, ...], allow: Iterable[Any] = ()) -> None:
-    """``Communicator.sync_state``: every member ends with the state of the first member that is
-    not a newcomer; only members whose state differs receive it (only the objects that differ).
+    """``Communicator.sync_state``: every member ends with the state of the first member that holds
+    the job's trained state; only members whose state differs receive it (only the objects that differ).
 
     What peers send is loaded with the safe loader (and the classes in ``allow``): state is
     tensors and plain values, so even a member can send wrong numbers, never code."""
     with loading_with(_state_loader(comm, allow)):
-        states, digests = _fingerprints(comm, objects, "sync_state")
-        src = _first_member(comm)
+        states, digests, src = _fingerprints(comm, objects, "sync_state")
         needed = {r: [i for i, d in enumerate(digests[r]) if d != digests[src][i]] for r in range(comm.world_size)}
         if not any(needed.values()):
+            comm._holds_state = True
             return
         failure = _hand_over(comm, objects, states, src, needed)
         said = comm.all_gather(failure)  # (the sender too learns that a load failed: no rank goes on alone)
     failed = [(r, text) for r, text in enumerate(said) if text is not None]
-    if failed:
+    if not failed:
+        comm._holds_state = True  # (every member now holds the state of one that held it)
+    else:
         r, text = failed[0]
         raise SerializationError(f"sync_state: rank(s) {[r for r, _ in failed]} could not load the state rank {src} "
                                  f"sent; rank {r}: {text}", op="sync_state", ranks=[r for r, _ in failed])
@@ -83,8 +85,7 @@ def check_identical(comm: Communicator, objects: tuple[Any, ...]) -> None:
     ranks whose state differs from the first member's (``sync_state``'s source) and the first key
     that differs. Fingerprints and keys are loaded with the safe loader, as ``sync_state``'s."""
     with loading_with(_state_loader(comm, ())):
-        states, digests = _fingerprints(comm, objects, "check_identical")
-        src = _first_member(comm)
+        states, digests, src = _fingerprints(comm, objects, "check_identical")
         differ = [r for r in range(comm.world_size) if digests[r] != digests[src]]
         if not differ:
             return
@@ -94,20 +95,19 @@ def check_identical(comm: Communicator, objects: tuple[Any, ...]) -> None:
     raise CollectiveMismatchError(_where_they_differ(tables, src, differ, names), op="check_identical", ranks=differ)
 
 
-def _first_member(comm: Communicator) -> int:
-    """The rank whose state is the members': the first that is not a newcomer (an admit's)."""
-    newcomers = set(comm.membership.admitted)
-    return next((r for r, j in enumerate(comm.membership.job_ranks) if j not in newcomers), 0)
-
-
-def _fingerprints(comm: Communicator, objects: tuple[Any, ...], op: str) -> tuple[list[Any], list[list[bytes]]]:
-    """This rank's states (each object's ``state_dict()``, or the dict itself), and every rank's
-    fingerprints of theirs. Objects that are neither, and counts that differ, are refused on every
-    rank alike: one rank's mistake doesn't leave the others waiting."""
+def _fingerprints(comm: Communicator, objects: tuple[Any, ...],
+                  op: str) -> tuple[list[Any], list[list[bytes]], int]:
+    """This rank's states (each object's ``state_dict()``, or the dict itself), every rank's
+    fingerprints of theirs, and the source: the first rank that holds the job's trained state (not
+    a newcomer not yet handed it, through any shrink, admit or split since). Objects that are
+    neither, counts that differ, and no rank holding the state are refused on every rank alike:
+    one rank's mistake doesn't leave the others waiting, and no newcomer's fresh state is taken."""
     bad = [f"object {i} is a {type(obj).__name__}" for i, obj in enumerate(objects)
            if not (_stateful(obj) or isinstance(obj, dict))]
     states = [] if bad else [obj.state_dict() if _stateful(obj) else obj for obj in objects]
-    gathered = comm.all_gather((op, bad, [_digest(_leaves(state)) for state in states]))
+    gathered = comm.all_gather((op, bad, [_digest(_leaves(state)) for state in states], comm._holds_state))
+    holders = [r for r, (*_, holds) in enumerate(gathered) if holds]
+    gathered = [(o, b, d) for o, b, d, _ in gathered]
     ops = [o for o, _, _ in gathered]  # both run on all_gather: one rank's sync_state beside another's
     if len(set(ops)) > 1:  # check_identical would otherwise meet as one call, then wait in different ones
         calls = ", ".join(f"rank {r} {o}" for r, o in enumerate(ops))
@@ -122,7 +122,11 @@ def _fingerprints(comm: Communicator, objects: tuple[Any, ...], op: str) -> tupl
     if len(set(counts)) > 1:
         raise CollectiveMismatchError(f"{op}: ranks gave different numbers of state objects: {counts} (by rank)",
                                       op=op, ranks=[r for r, n in enumerate(counts) if n != counts[0]])
-    return states, [d for _, d in gathered]
+    if not holders:
+        raise CommunicatorStateError(
+            f"{op}: no member holds the job's trained state: every rank that held it was lost, and the members "
+            f"left are newcomers not yet handed it; start again from a checkpoint")
+    return states, [d for _, d in gathered], holders[0]
 
 
 def _stateful(obj: Any) -> bool:

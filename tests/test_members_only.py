@@ -20,6 +20,7 @@ import torch
 
 import distcomm
 from distcomm._launching.agent import Job, worker_env
+from distcomm._launching.rendezvous import serve_store
 from distcomm._trust.key import JobKey, job_key
 from distcomm._trust.records import Records
 
@@ -432,3 +433,75 @@ def test_a_job_whose_messages_are_all_authenticated_runs_its_calls_and_hands_ove
     got = distcomm.testing.spawn(_authenticated_job, 3, timeout=WAIT)
     assert all(g[0].startswith("AuthenticatedSerializer(PickleSerializer") and g[1] == [0, 1, 2] for g in got)
     assert got[0][2] == got[1][2] == got[2][2]
+
+
+# ---------------------------------------------------------------- the state's source: a holder, never a newcomer
+SOURCE = """
+    import json, os, signal, sys
+    import distcomm
+    where = sys.argv[1]
+    comm = distcomm.from_env(timeout=60)
+    me, progress, share, seen = comm.membership.job_ranks[comm.rank], {"step": 0}, True, []
+    newcomer = bool(comm.membership.admitted)
+    while progress["step"] < 8:
+        try:
+            if share:
+                comm.sync_state(progress)
+                seen.append(progress["step"])
+                share = False
+            if where == "split" and len(comm.membership.admitted) and comm.world_size == 3:
+                sub = comm.split(0 if comm.membership.job_ranks[comm.rank] in (0, 2) else 1)
+                sub.sync_state(progress)  # (its rank 0 is the newcomer, job rank 0)
+                seen.append(progress["step"])
+            if me == 0 and progress["step"] == 3 and not newcomer:
+                os.kill(os.getpid(), signal.SIGKILL)
+            comm.barrier()
+            progress["step"] += 1
+            new = comm.admit()
+            if new is not comm:
+                comm, share = new, True
+                if where == "second loss" and me == 1:  # lost right after the admit, before the state went round
+                    os.kill(os.getpid(), signal.SIGKILL)
+        except Exception as e:
+            if not distcomm.is_rank_loss(e):
+                raise
+            comm, share = comm.shrink(), True
+    print(json.dumps({"seen": seen, "members": list(comm.membership.job_ranks)}), flush=True)
+    comm.close()
+"""
+
+
+@pytest.mark.parametrize("where", ["second loss", "split"])
+def test_the_state_comes_from_a_member_that_holds_it_never_from_a_newcomer(tmp_path: Path, where: str) -> None:
+    """Job rank 0 is lost and its replacement let in: after a second loss before the state went round
+    (the shrink renumbers the newcomer as rank 0), or on a split whose rank 0 is the newcomer, the
+    state comes from a member that holds it: no member's step ever goes back."""
+    port = distcomm.free_port()
+    store = serve_store(f"tcp://127.0.0.1:{port}", 3, WAIT)
+    _, procs = job(tmp_path, SOURCE, 3, where, port=port, store_apart=True)
+    deadline = time.monotonic() + WAIT
+    while procs[0].poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    _, newcomer = job(tmp_path, SOURCE, 3, where, ranks=[0], port=port, store_apart=True)
+    out = ended({1: procs[1], 2: procs[2], 3: newcomer[0]})
+    del store  # (served until every process ended)
+    for r in (2, 3):
+        code, lines, err = out[r]
+        assert code == 0, (r, err)
+        seen = lines[-1]["seen"]
+        assert seen == sorted(seen) and seen[-1] >= 3, (r, seen)  # the newcomer's fresh step 0 never taken
+    assert out[3][1][-1]["seen"][0] >= 3  # the newcomer was handed the members' step
+
+
+def _no_holder_left(comm: distcomm.Communicator) -> str:
+    comm._holds_state = False  # (every member a newcomer not yet handed the state: the holders were all lost)
+    try:
+        comm.sync_state({"step": comm.rank})
+    except distcomm.CommunicatorStateError as e:
+        return str(e)
+    return "returned"
+
+
+def test_sync_state_with_no_member_holding_the_state_raises_on_every_rank() -> None:
+    said = distcomm.testing.spawn(_no_holder_left, 2, timeout=WAIT)
+    assert said[0] == said[1] and "no member holds the job's trained state" in said[0], said

@@ -440,8 +440,10 @@ class ElasticMethods:
         return comm
 
     def sync_state(self, *objects: Any, allow: Iterable[Any] = ()) -> None:
-        """Make every member's training state that of the first member that is not a newcomer:
+        """Make every member's training state that of the first member that holds the job's trained
+        state (a newcomer holds it only once handed it, through any shrink, admit or split since):
         after ``admit()`` (the newcomers need it) or ``shrink()`` (a failed step may be half applied).
+        Where no member holds it (every holder lost), CommunicatorStateError on every rank.
 
         ``objects``: what has ``state_dict()`` and ``load_state_dict()`` (a model, an optimizer, a
         scheduler, a grad scaler) or dicts (updated in place), in the same order on every rank.

@@ -67,6 +67,7 @@ class TorchMembership:
         comm = _torch_comm(self)
         comm._successor = new  # use(comm) follows it
         new._launcher = comm._launcher  # (the same processes, started by the same launcher)
+        new._holds_state = comm._holds_state  # (and the same state)
         return new
 
     def _rebuild_settings(self) -> dict[str, Any]:

@@ -68,6 +68,7 @@ def start_from(cls: type[_TorchCommunicator], env: LaunchEnv, *,
                        hosted=not (env.launcher_store or _store_apart()), launcher=env.launcher, **kwargs)
     if env.rank in comm._admitted:  # a replacement, let in: the members wait for its first call
         comm._let_in_at = time.monotonic()
+        comm._holds_state = False  # (until sync_state hands it the members')
     return comm
 
 

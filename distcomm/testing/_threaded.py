@@ -198,6 +198,7 @@ class ThreadedCommunicator(Communicator):
     def _succeeded_by(self, world: _World, membership: Membership) -> ThreadedCommunicator:
         new = ThreadedCommunicator(world, membership.job_ranks.index(self._job_rank),
                                    **self._job_settings(self._job_rank, membership, replacement=self._replacement))
+        new._holds_state = self._holds_state  # (the same process's state, in the next membership)
         self.close()
         self._successor = new
         return new

@@ -90,8 +90,10 @@ class ThreadedJob:
                 self._next[comm._world] = (world, membership)
                 self._gone -= set(newcomers)  # (alive again: replaced)
                 for r in newcomers:
-                    self._waiting[r] = type(comm)(world, members.index(r), **comm._job_settings(r, membership,
-                                                                                                replacement=True))
+                    settings = comm._job_settings(r, membership, replacement=True)
+                    newcomer = type(comm)(world, members.index(r), **settings)
+                    newcomer._holds_state = False  # (until sync_state hands it the members')
+                    self._waiting[r] = newcomer
                 self._changed.notify_all()
             return self._next[comm._world]
 
