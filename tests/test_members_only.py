@@ -112,7 +112,7 @@ def test_a_newcomer_comes_in_only_over_a_ticket_of_the_members_own() -> None:
     """A place in the open round, signed (as one copied from an earlier job with the same key would
     be), is not enough: the newcomer proves the key over the ticket of a membership the members were
     in (a digest of their fresh nonces); a proof over an earlier job's ticket, or unsigned, is not one."""
-    from distcomm._elastic.membership import waiting_newcomers
+    from distcomm._elastic.membership import remember_let_in, waiting_newcomers
     from distcomm._launching.rendezvous import TICKET, Seat, prove_to_members
     from distcomm._trust.handshake import remember_ticket
 
@@ -133,6 +133,11 @@ def test_a_newcomer_comes_in_only_over_a_ticket_of_the_members_own() -> None:
         assert waiting_newcomers(seat, (0, 1), {})[1] == {}
     prove_to_members(job, job.under("round-1"), 2, token, b"")  # the key holder's proof, over the ticket
     assert waiting_newcomers(seat, (0, 1), {})[1] == {2: token}
+    # once let in, its membership's members remember it: its place written back into the round (the
+    # signed bytes replayed after the place was freed) lets no ghost in again
+    job.set("epoch-4-beef/token/2", token)
+    remember_let_in(Seat(job, "epoch-4-beef", 0, (0, 1, 2), "me", "here", False, admitted=(2,)))
+    assert waiting_newcomers(seat, (0, 1), {})[1] == {}
 
 
 # ---------------------------------------------------------------- the state's hand-over

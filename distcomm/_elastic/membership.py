@@ -45,8 +45,8 @@ if TYPE_CHECKING:
     from .._communicator import Communicator
     from .._torch import _TorchCommunicator
 
-__all__ = ["Membership", "admission", "job_pids", "reformed", "shrink_begun", "successor", "survivors",
-           "warn_late_first_call"]
+__all__ = ["Membership", "admission", "job_pids", "reformed", "remember_let_in", "shrink_begun", "successor",
+           "survivors", "warn_late_first_call"]
 
 BREAK_SECONDS = 1.0
 """How long a shrink waits for its groups' waits to break before it goes on (the groups are held: ``deferred_free``)."""
@@ -205,9 +205,22 @@ def waiting_newcomers(seat: Seat, members: Iterable[int],
                 refused[r] = (token, f"rank {r} of the job is a member and alive ({_member_process(job, seat, r)}); "
                                      f"this process ({token}) was started as rank {r} too: a replacement takes the "
                                      f"rank of a lost one")
-        elif _proven(job.under(rnd), r, token):
+        elif token not in _LET_IN and _proven(job.under(rnd), r, token):
             newcomers[r] = token
     return rnd, newcomers, refused
+
+
+def remember_let_in(seat: Seat) -> None:
+    """The processes the admit that made ``seat``'s membership let in, remembered by each member: a
+    place of one of them written back into the round (its signed record replayed after it was
+    freed) never lets a ghost in again."""
+    for r in seat.admitted:
+        said = seat.job.read(f"{seat.epoch}/token/{r}")
+        if said:
+            _LET_IN.add(said.decode())
+
+
+_LET_IN: set[str] = set()
 
 
 def _proven(rnd: Records, rank: int, token: str) -> bool:

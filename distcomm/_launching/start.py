@@ -26,7 +26,7 @@ from .._elastic.deferred_free import DEFERRED
 from .._elastic.failure_report import store_host_pid
 from .._elastic.forming import FormingFailed, WatchedStore, init_gloo, publish_pid
 from .._elastic.keepalive import keep_alive
-from .._elastic.membership import job_pids, reformed, shrink_begun, successor
+from .._elastic.membership import job_pids, reformed, remember_let_in, shrink_begun, successor
 from .._errors import CommunicatorStateError, PeerError
 from .._transfer.messages import settle_limit
 from .._trust.handshake import prove_members, remember_ticket
@@ -165,6 +165,7 @@ def _form(cls: type[_TorchCommunicator], seat: Seat, store: WatchedStore, second
         ticket = prove_members(seat.job.key, seat.epoch, seat.members, kwargs.get("device"))  # (before set-up)
         if ticket is not None:  # (newcomers prove the key over it: see rendezvous.prove_to_members)
             remember_ticket(ticket)
+            remember_let_in(seat)
             if rank == 0:
                 seat.job.set(TICKET, ticket)
         pids = store.known_pids(refresh=True)
