@@ -84,7 +84,7 @@ class Records:
 
     def append_entry(self, name: str, entry: str) -> None:
         """Add ``entry`` (no commas) to the list at ``name``, signed on its own."""
-        mac = self.key.mac(f"{self.path}{name}".encode(), entry.encode()).hex() if self.key else ""
+        mac = self.key.mac(b"entry", f"{self.path}{name}".encode(), entry.encode()).hex() if self.key else ""
         self.raw.append(name, f"{entry}#{mac},")
 
     def entries(self, name: str) -> list[str]:
@@ -94,7 +94,7 @@ class Records:
         for item in filter(None, text.split(",")):
             entry, _, mac = item.rpartition("#")
             if self.key is None or hmac.compare_digest(
-                    mac, self.key.mac(f"{self.path}{name}".encode(), entry.encode()).hex()):
+                    mac, self.key.mac(b"entry", f"{self.path}{name}".encode(), entry.encode()).hex()):
                 kept.append(entry)
             else:
                 self._name_forged(name)

@@ -32,7 +32,7 @@ import cloudpickle
 import torch
 
 from .._errors import SerializationError, UnsafePayloadError
-from .._trust.key import KEY_VAR, JobKey, job_key
+from .._trust.key import KEY_VAR, job_key
 from . import safe as _safe
 from .tensor_pickle import reduce_tensor
 
@@ -343,7 +343,7 @@ class AuthenticatedSerializer(Serializer):
         self.inner = PickleSerializer() if inner is None else inner
         if isinstance(self.inner, AuthenticatedSerializer):
             raise TypeError("AuthenticatedSerializer over an AuthenticatedSerializer: give the inner one")
-        made = JobKey(key.encode()) if key else job_key()
+        made = job_key({KEY_VAR: key}) if key else job_key()  # (checked alike: 16 characters or more)
         if made is None:
             raise ValueError(f"AuthenticatedSerializer needs the job's key: give every process the same {KEY_VAR} "
                              f"(16 or more characters); python -m distcomm run, launch() and testing.spawn() make one")
