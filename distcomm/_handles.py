@@ -24,7 +24,7 @@ import torch
 from ._agreement import where
 from ._errors import CommunicatorStateError
 from ._wire.memory import seconds
-from ._wire.serialization import carry_loader
+from ._wire.serialization import carry_serializer
 
 if TYPE_CHECKING:
     from ._communicator import Communicator
@@ -229,8 +229,8 @@ def as_caller(fn: Callable[[], _R]) -> Callable[[], _R]:
     grad_fn that the blocking call under no_grad doesn't), and its current CUDA device and stream
     (a new thread starts on device 0 and its default stream: received CUDA tensors would land on
     device 0, and the caller's stream's work would not be ordered first); and the loader it chose
-    for what peers send (``loading_with``)."""
-    fn = carry_loader(fn)
+    for what peers send (``serializing_with``)."""
+    fn = carry_serializer(fn)
     grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
     device, stream = (torch.cuda.current_device(), torch.cuda.current_stream()) if cuda else (None, None)

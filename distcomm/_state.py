@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ._errors import CollectiveMismatchError, CommunicatorStateError, SerializationError, is_rank_loss
-from ._wire.serialization import AuthenticatedSerializer, SafeSerializer, Serializer, loading_with
+from ._wire.serialization import AuthenticatedSerializer, SafeSerializer, Serializer, serializing_with
 
 if TYPE_CHECKING:
     from ._communicator import Communicator
@@ -34,7 +34,7 @@ def sync_state(comm: Communicator, objects: tuple[Any, ...], allow: Iterable[Any
 
     What peers send is loaded with the safe loader (and the classes in ``allow``): state is
     tensors and plain values, so even a member can send wrong numbers, never code."""
-    with loading_with(_state_loader(comm, allow)):
+    with serializing_with(_state_serializer(comm, allow)):
         states, digests, src = _fingerprints(comm, objects, "sync_state")
         needed = {r: [i for i, d in enumerate(digests[r]) if d != digests[src][i]] for r in range(comm.world_size)}
         if not any(needed.values()):
@@ -51,12 +51,13 @@ def sync_state(comm: Communicator, objects: tuple[Any, ...], allow: Iterable[Any
                                  f"sent; rank {r}: {text}", op="sync_state", ranks=[r for r, _ in failed])
 
 
-_STATE_LOADER = SafeSerializer()
+_STATE_SERIALIZER = SafeSerializer()
 
 
-def _state_loader(comm: Communicator, allow: Iterable[Any]) -> Serializer:
-    """The safe loader (with ``allow``), behind the communicator's authentication where it has one."""
-    safe = SafeSerializer(allow) if allow else _STATE_LOADER
+def _state_serializer(comm: Communicator, allow: Iterable[Any]) -> Serializer:
+    """What moves state, whatever serializer the communicator has: plain pickle out, the safe loader
+    (with ``allow``) in; behind the communicator's authentication where it has one."""
+    safe = SafeSerializer(allow) if allow else _STATE_SERIALIZER
     chosen = comm.serializer
     return chosen.around(safe) if isinstance(chosen, AuthenticatedSerializer) else safe
 
@@ -84,7 +85,7 @@ def check_identical(comm: Communicator, objects: tuple[Any, ...]) -> None:
     """``Communicator.check_identical``: raise CollectiveMismatchError on every rank, naming the
     ranks whose state differs from the first member's (``sync_state``'s source) and the first key
     that differs. Fingerprints and keys are loaded with the safe loader, as ``sync_state``'s."""
-    with loading_with(_state_loader(comm, ())):
+    with serializing_with(_state_serializer(comm, ())):
         states, digests, src = _fingerprints(comm, objects, "check_identical")
         differ = [r for r in range(comm.world_size) if digests[r] != digests[src]]
         if not differ:

@@ -510,3 +510,26 @@ def _no_holder_left(comm: distcomm.Communicator) -> str:
 def test_sync_state_with_no_member_holding_the_state_raises_on_every_rank() -> None:
     said = distcomm.testing.spawn(_no_holder_left, 2, timeout=WAIT)
     assert said[0] == said[1] and "no member holds the job's trained state" in said[0], said
+
+
+class Marshalled(distcomm.Serializer):
+    """A serializer of the user's own, in no way pickle's."""
+
+    name = "marshal"
+
+    def dumps(self, obj: Any) -> list[memoryview]:
+        return [memoryview(__import__("marshal").dumps(obj))]
+
+    def loads(self, segments: Any) -> Any:
+        return __import__("marshal").loads(bytes(segments[0]))
+
+
+def _sync_with_own_serializer(comm: distcomm.Communicator) -> tuple[Any, Any]:
+    progress = {"step": 5 if comm.rank == 0 else 0, "tag": "x"}
+    comm.sync_state(progress)
+    return progress, comm.all_gather(comm.rank)
+
+
+def test_sync_state_moves_state_its_own_way_whatever_serializer_the_communicator_has() -> None:
+    got = distcomm.testing.spawn(_sync_with_own_serializer, 2, serializer=Marshalled(), timeout=WAIT)
+    assert got == [({"step": 5, "tag": "x"}, [0, 1])] * 2

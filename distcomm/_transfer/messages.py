@@ -44,7 +44,7 @@ from .._errors import (
 from .._handles import Handle, as_caller
 from .._one_at_a_time import user_site
 from .._wire.memory import as_view, byte_tensor
-from .._wire.serialization import failure_text, loader
+from .._wire.serialization import failure_text, serializer_for
 from .._wire.tensor_pickle import CUDA_TARGET
 from .routes.base import check_receivable
 from .transport import front_door
@@ -114,11 +114,11 @@ def _start(comm: Communicator, direction: str, peer: int, tag: int, timeout: flo
 def encode(comm: Communicator, obj: Any, what: str) -> list[memoryview]:
     """``obj`` as the parts of a message: header, sizes (more than one segment), non-empty segments."""
     try:
-        segs = [memoryview(s).cast("B") for s in comm.serializer.dumps(obj)]
+        segs = [memoryview(s).cast("B") for s in serializer_for(comm).dumps(obj)]
     except DistCommError:
         raise
     except Exception as e:
-        raise SerializationError(f"{what}: can't serialize the object: {failure_text(comm.serializer, obj, e)}",
+        raise SerializationError(f"{what}: can't serialize the object: {failure_text(serializer_for(comm), obj, e)}",
                                  op="send") from e
     total = sum(s.nbytes for s in segs)
     if comm.max_bytes is not None and total > comm.max_bytes:
@@ -163,7 +163,7 @@ def _receive(comm: Communicator, src: int, tag: int, timeout: float | None, what
 def decode(comm: Communicator, views: list[memoryview], what: str, src: int) -> Any:
     token = CUDA_TARGET.set(comm._cuda_target)  # CUDA tensors rebuilt where the collectives put them
     try:
-        return loader(comm).loads(views)
+        return serializer_for(comm).loads(views)
     except CollectiveError as e:
         e.args = (f"{what}: can't load the object: {e}",)
         e.op, e.ranks = "recv", (src,)

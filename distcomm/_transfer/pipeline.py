@@ -20,7 +20,7 @@ from .._calls import CallSpec, Op
 from .._errors import CollectiveError, FrameError, SerializationError
 from .._wire import frame as _frame
 from .._wire.memory import GC_PAUSE_BYTES, GCPause, is_aligned, owned_copy
-from .._wire.serialization import loader
+from .._wire.serialization import serializer_for
 from .._wire.tensor_pickle import CUDA_TARGET
 from .routes import ROUTES, Route, Segment, over_max_bytes, status_outgoing
 
@@ -183,7 +183,7 @@ def load(comm: Communicator, op: Op, seq: int, src: int, segs: list[Segment], pa
         if len(segs) > 1:
             views += [owned_copy(v) if inline or not is_aligned(v) else v for v, inline in segs[1:]]
     try:
-        return loader(comm).loads(views)
+        return serializer_for(comm).loads(views)
     except CollectiveError as e:
         e.args = (f"{op.label} #{seq}: can't load the object from rank {src}: {e}",)
         e.op, e.ranks = op.label, (src,)

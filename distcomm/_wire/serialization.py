@@ -39,8 +39,8 @@ from .tensor_pickle import reduce_tensor
 if TYPE_CHECKING:
     from .._communicator import Communicator
 
-__all__ = ["AuthenticatedSerializer", "PickleSerializer", "SafeSerializer", "Serializer", "carry_loader",
-           "default_serializer", "dumps_code", "loader", "loading_with"]
+__all__ = ["AuthenticatedSerializer", "PickleSerializer", "SafeSerializer", "Serializer", "carry_serializer",
+           "default_serializer", "dumps_code", "serializer_for", "serializing_with"]
 
 _R = TypeVar("_R")
 
@@ -234,34 +234,35 @@ class SafeSerializer(PickleSerializer):
         return f"SafeSerializer(allow={names})"
 
 
-_LOADING_WITH: contextvars.ContextVar[Serializer | None] = contextvars.ContextVar("distcomm_loading_with",
+_SERIALIZING_WITH: contextvars.ContextVar[Serializer | None] = contextvars.ContextVar("distcomm_serializing_with",
                                                                                 default=None)
 
 
 @contextlib.contextmanager
-def loading_with(serializer: Serializer) -> Iterator[None]:
-    """The calls made inside (on this thread, and the async ones it starts) load what peers send with
-    ``serializer`` instead of their communicator's: ``sync_state`` loads state with the safe loader."""
-    token = _LOADING_WITH.set(serializer)
+def serializing_with(serializer: Serializer) -> Iterator[None]:
+    """The calls made inside (on this thread, and the async ones it starts) serialize and load with
+    ``serializer`` instead of their communicator's: ``sync_state`` moves state with the safe loader,
+    whatever serializer the user chose."""
+    token = _SERIALIZING_WITH.set(serializer)
     try:
         yield
     finally:
-        _LOADING_WITH.reset(token)
+        _SERIALIZING_WITH.reset(token)
 
 
-def loader(comm: Communicator) -> Serializer:
-    """What loads the objects ``comm``'s peers send in the current call."""
-    return _LOADING_WITH.get() or comm.serializer
+def serializer_for(comm: Communicator) -> Serializer:
+    """What serializes and loads the objects of ``comm``'s current call."""
+    return _SERIALIZING_WITH.get() or comm.serializer
 
 
-def carry_loader(fn: Callable[[], _R]) -> Callable[[], _R]:
-    """``fn`` to run on another thread with the loader the caller set (``loading_with``), if any."""
-    chosen = _LOADING_WITH.get()
+def carry_serializer(fn: Callable[[], _R]) -> Callable[[], _R]:
+    """``fn`` to run on another thread with the serializer the caller set (``serializing_with``), if any."""
+    chosen = _SERIALIZING_WITH.get()
     if chosen is None:
         return fn
 
     def run() -> _R:
-        with loading_with(chosen):
+        with serializing_with(chosen):
             return fn()
 
     return run
