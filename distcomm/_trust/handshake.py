@@ -4,7 +4,9 @@ A group forms in the job's store, where anyone who reaches it could put an addre
 a member's place. So, after every start, shrink and admit, before any byte from a peer is loaded
 (the communicator's set-up is the first object collective), each member answers a challenge made
 of every member's fresh nonce: two all-gathers of raw bytes, nothing deserialized. Every member
-sees every answer, so all of them find the same impostors and fail alike, naming them.
+sees every answer, so all of them find the same impostors and fail alike, naming them. The digest
+of the nonces is the membership's ticket, over which a newcomer proves the key. (A process that
+relays between two members passes the proof by relaying it: docs/trust-model.md, the wire.)
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ torch's TCPStore answers anyone who reaches its port, so records can't be kept s
 an outsider's reach; they can be made unforgeable. With the job's key, each value is stored
 behind a MAC of the record's full name and its value: one written without the key, or copied to
 another name (another round, another epoch, another rank), reads as absent here, and is named
-once in a warning. Counters (``add``) carry no MAC: they only number things (rounds, epochs), and
-what they decide is written as a signed record too. Without a key, values are stored as they are.
+once in a warning. Counters (``add``) carry no MAC: they number things (rounds, epochs), and where
+a count decides (a round complete), the signed records it counts are checked. Without a key,
+values are stored as they are.
 """
 
 from __future__ import annotations
