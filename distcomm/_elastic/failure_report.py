@@ -20,8 +20,8 @@ from .membership import shrink_begun
 if TYPE_CHECKING:
     from .._torch import _TorchCommunicator
 
-__all__ = ["ask_store", "fail", "host_lost", "members_left", "membership_broke", "store_host", "store_host_pid",
-           "store_says"]
+__all__ = ["ask_store", "fail", "host_lost", "host_posted_silent", "members_left", "membership_broke", "store_host",
+           "store_host_pid", "store_says"]
 
 
 def fail(comm: _TorchCommunicator, exc: BaseException, timeout: float | None) -> NoReturn:
@@ -80,6 +80,17 @@ def members_left(comm: _TorchCommunicator, what: str, op: str) -> PeerError:
     comm._mark_broken(f"{what}: the other members left it")
     return PeerError(f"{what}: the other members have left this call to agree on who is left (a rank was lost); "
                      f"call shrink() to join them", op=op)
+
+
+def host_posted_silent(comm: _TorchCommunicator) -> int | None:
+    """The job rank a keep-alive posted silent in this communicator's membership, if any (a wait
+    may learn that the others left to shrink before its own keep-alive read why)."""
+    seat = comm._seat
+    try:
+        said = seat.job.read(f"{seat.epoch}/silent") if seat is not None else None
+    except Exception:  # the store is gone: said elsewhere
+        return None
+    return int(said) if said and said.isdigit() else None
 
 
 def host_lost(comm: _TorchCommunicator, job_rank: int, what: str, op: str) -> list[tuple[int, int]]:

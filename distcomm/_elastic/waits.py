@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from .._errors import CollectiveTimeoutError, DistCommError, PeerError
 from .._wire import frame as _frame
-from .failure_report import fail, host_lost, members_left, store_says
+from .failure_report import fail, host_lost, host_posted_silent, members_left, store_says
 from .liveness import HOSTS_LOST, alive
 
 if TYPE_CHECKING:
@@ -275,6 +275,9 @@ def check_peers(comm: _TorchCommunicator, needed: Iterable[int], seen: dict[int,
         gone = host_lost(comm, HOSTS_LOST[0], what, op)  # (a process this machine sees is named by its pid)
     said = "" if gone else store_says(comm, seen, now, collective=not what.startswith(("send", "recv")))
     if said == "left":
+        silent = host_posted_silent(comm)  # (the others left because a host went silent: name it, as they do)
+        if silent is not None:
+            host_lost(comm, silent, what, op)
         raise members_left(comm, what, op)
     if said == "failed":  # (its report, with the others')
         fail(comm, RuntimeError("connection closed: another rank lost a peer in this call"), comm._timeout)
