@@ -13,10 +13,9 @@ import hmac
 import os
 import secrets
 import stat
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping
 
-__all__ = ["KEY_FILE_VAR", "KEY_VAR", "MAC_BYTES", "JobKey", "job_key", "key_given", "new_key",
-           "with_job_key"]
+__all__ = ["KEY_FILE_VAR", "KEY_VAR", "MAC_BYTES", "JobKey", "job_key", "key_given", "new_key"]
 
 KEY_VAR = "DISTCOMM_JOB_KEY"
 KEY_FILE_VAR = "DISTCOMM_JOB_KEY_FILE"
@@ -89,10 +88,3 @@ def new_key() -> str | None:
 def key_given(made: str | None) -> JobKey | None:
     """The key the workers hold: ``made`` here (``new_key``), else this process's own."""
     return JobKey(made.encode()) if made else job_key()
-
-
-def with_job_key(env: MutableMapping[str, str]) -> MutableMapping[str, str]:
-    """``env`` holding a job's key: the one it was given (checked), else a new random one."""
-    if job_key(env) is None:
-        env[KEY_VAR] = secrets.token_urlsafe(32)
-    return env
