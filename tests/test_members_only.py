@@ -442,18 +442,20 @@ def test_a_job_whose_messages_are_all_authenticated_runs_its_calls_and_hands_ove
 
 # ---------------------------------------------------------------- the state's source: a holder, never a newcomer
 SOURCE = """
-    import json, os, signal, sys
+    import json, os, signal, sys, time
     import distcomm
     where = sys.argv[1]
     comm = distcomm.from_env(timeout=60)
     me, progress, share, seen = comm.membership.job_ranks[comm.rank], {"step": 0}, True, []
     newcomer = bool(comm.membership.admitted)
-    while progress["step"] < 8:
+    while True:
         try:
             if share:
                 comm.sync_state(progress)
                 seen.append(progress["step"])
                 share = False
+            if progress["step"] >= 8 and (progress.get("in") or progress["step"] >= 400):
+                break  # (decided once the state went round: on until the replacement is in)
             if where == "split" and len(comm.membership.admitted) and comm.world_size == 3:
                 sub = comm.split(0 if comm.membership.job_ranks[comm.rank] in (0, 2) else 1)
                 sub.sync_state(progress)  # (its rank 0 is the newcomer, job rank 0)
@@ -462,9 +464,11 @@ SOURCE = """
                 os.kill(os.getpid(), signal.SIGKILL)
             comm.barrier()
             progress["step"] += 1
+            time.sleep(0.05)  # (the rest of a step: the replacement starts meanwhile)
             new = comm.admit()
             if new is not comm:
                 comm, share = new, True
+                progress["in"] = True
                 if where == "second loss" and me == 1:  # lost right after the admit, before the state went round
                     os.kill(os.getpid(), signal.SIGKILL)
         except Exception as e:
