@@ -79,6 +79,9 @@ def _run_parser(commands: Any) -> None:
                      help="lost workers started again, in all, each to be let in by the others' admit()")
     run.add_argument("--log-dir", "--log_dir", help="also write each worker's output to rank<r>.log there "
                                                     "(a replacement's to rank<r>.<k>.log)")
+    run.add_argument("--term-grace", type=float, default=30.0, metavar="SECONDS",
+                     help="once the agent is stopped (SIGTERM, Ctrl-C) or the job failed, seconds each worker "
+                          "has to end once the signal is passed on (to save a checkpoint), before SIGKILL (default 30)")
     run.add_argument("--no-prefix", action="store_true", help="don't start each line with [rank<r>]: ")
     run.add_argument("-m", "--module", action="store_true", help="the script is a module to run, as python -m")
     run.add_argument("script", help="the script (or module) each worker runs")
@@ -90,7 +93,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     command = ("-m", args.script) if args.module else (args.script,)
     job = Job(command + tuple(args.script_args), args.nproc_per_node, args.nnodes, args.node_rank, args.master_addr,
-              args.master_port, args.replacements, args.log_dir, not args.no_prefix)
+              args.master_port, args.replacements, args.log_dir, not args.no_prefix, term_grace=args.term_grace)
     problem = job.problem() or ("" if args.module or os.path.exists(args.script) else f"no script {args.script!r}")
     if problem:
         parser.error(problem)

@@ -5,13 +5,18 @@ workers fresh interpreters that it starts."""
 
 from __future__ import annotations
 
+import os
+import signal
 import textwrap
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from . import _forked
 from ._jobs import ELASTIC_DDP as ELASTIC
-from .test_cli import cli, usage_error
+from .test_cli import ROOT, cli, usage_error
 
 PLAIN_TORCH = """
     import torch, torch.distributed as dist
@@ -32,10 +37,34 @@ RAISES = """
 """
 
 
-def _script(tmp_path: Path, source: str) -> str:
-    path = tmp_path / "job.py"
+def _script(tmp_path: Path, source: str, name: str = "job.py") -> str:
+    path = tmp_path / name
     path.write_text(textwrap.dedent(source))
     return str(path)
+
+
+def _agent(*args: str, env: dict[str, str] | None = None) -> Any:
+    """``python -m distcomm run *args`` started, not waited for (``_ended`` waits)."""
+    clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    return _forked.start(["-m", "distcomm", "run", *args], {**clean, **(env or {})}, ROOT)
+
+
+def _ended(agent: Any, timeout: float = 120) -> tuple[int, str, str]:
+    """The agent's exit status, stdout and stderr once it ended (killed after ``timeout`` seconds)."""
+    try:
+        out, err = agent.communicate(timeout=timeout)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+    return agent.returncode, out, err
+
+
+def _wait_for(path: Path, agent: Any, seconds: float = 120) -> None:
+    """Until ``path`` exists (a worker wrote it); the test fails if it never does or the agent ended."""
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        assert time.monotonic() < deadline and agent.poll() is None, f"no {path.name}: {_ended(agent, 10)}"
+        time.sleep(0.1)
 
 
 def test_a_plain_torch_script_runs_unchanged_with_its_output_prefixed_and_logged(tmp_path: Path) -> None:
@@ -124,3 +153,37 @@ def test_a_replacement_nobody_lets_in_is_ended_once_the_members_stop_beating(tmp
     out = cli("run", "--nproc-per-node", "3", "--replacements", "1", _script(tmp_path, NO_ADMIT), timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "started again, was never admitted: the others had ended" in out.stderr, out.stderr
+
+
+SAVES_ON_SIGTERM = """
+    import signal, sys, time
+    from pathlib import Path
+    here = Path(sys.argv[1])
+
+    def save(signum, frame):
+        time.sleep(6)  # a checkpoint that takes a while to write
+        (here / "checkpoint").write_text("saved")
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, save)
+    (here / "ready").write_text("")
+    while True:
+        time.sleep(0.1)
+"""
+
+
+def test_sigterm_gives_the_workers_time_to_save_a_checkpoint(tmp_path: Path) -> None:
+    """A preempted machine: SIGTERM to the agent is passed on, and the workers have 30 s (torchrun's
+    grace) to end before SIGKILL."""
+    agent = _agent(_script(tmp_path, SAVES_ON_SIGTERM), str(tmp_path))
+    _wait_for(tmp_path / "ready", agent)
+    agent.send_signal(signal.SIGTERM)
+    code, _, err = _ended(agent)
+    assert code == 143, err
+    assert (tmp_path / "checkpoint").read_text() == "saved", err
+    assert "SIGTERM: passed on to the workers, who have 30 s to end before SIGKILL" in err, err
+
+
+def test_term_grace_must_be_a_number_of_seconds(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    err = usage_error(["run", "--term-grace", "-1", _script(tmp_path, PLAIN_TORCH)], capsys)
+    assert "--term-grace must be 0 or more seconds" in err, err

@@ -14,16 +14,17 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import math
 import os
 import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from typing import IO, Any
 
 from .._trust.key import KEY_FILE_VAR, KEY_VAR, job_key, key_given, new_key
-from .launch import _end
 from .ports import free_port
 from .rank_output import log_name
 from .rendezvous import serve_store
@@ -49,6 +50,7 @@ class Job:
     log_dir: str | None = None
     prefix: bool = True
     timeout: float = 600.0
+    term_grace: float = 30.0  # seconds a worker has to end once told to (SIGTERM), before SIGKILL
 
     @property
     def world(self) -> int:
@@ -65,6 +67,8 @@ class Job:
             return "--replacements must be 0 or more"
         if self.nnodes > 1 and self.master_port == 0:
             return "a job of several machines needs --master-port (and --master-addr: the first machine's address)"
+        if not 0 <= self.term_grace < math.inf:
+            return f"--term-grace must be 0 or more seconds, got {self.term_grace}"
         if not 0 <= self.master_port < 65536:
             return f"--master-port {self.master_port} is not a port"
         try:
@@ -79,8 +83,8 @@ class Job:
 
 
 class _Worker:
-    """One worker process, as ``_supervise`` and ``_launch._end`` watch one (``exitcode``, ``sentinel``,
-    ``pid``, ``is_alive``, ``terminate``, ``kill``, ``join``), with its output copied line by line."""
+    """One worker process, as ``wait_elastic`` watches one (``exitcode``, ``sentinel``, ``pid``,
+    ``is_alive``, ``terminate``, ``kill``, ``join``), with its output copied line by line."""
 
     def __init__(self, job: Job, rank: int, attempt: int, env: dict[str, str], lock: threading.Lock) -> None:
         log = None if job.log_dir is None else open(os.path.join(job.log_dir, log_name(rank, attempt)), "w",
@@ -105,13 +109,16 @@ class _Worker:
     def is_alive(self) -> bool:
         return self._popen.poll() is None
 
-    def terminate(self) -> None:
+    def signal(self, signum: int) -> None:
+        """Send ``signum`` to the worker, while it runs."""
         if self.is_alive():
-            self._popen.terminate()
+            self._popen.send_signal(signum)
+
+    def terminate(self) -> None:
+        self.signal(signal.SIGTERM)
 
     def kill(self) -> None:
-        if self.is_alive():
-            self._popen.kill()
+        self.signal(signal.SIGKILL)
 
     def join(self, timeout: float | None = None) -> None:
         try:
@@ -202,7 +209,7 @@ def run_job(job: Job) -> int:
         failed = wait_elastic(workers, _GRACE, lambda i, code: _fails_the_job(code, view), first, job.replacements,
                               start, view, _say)
         if failed:
-            _end(workers)
+            _stop(workers, signal.SIGTERM, job.term_grace)
             _say(_failure_line(failed, workers, first))
             return 1
         lost = [w for w in started if (w.exitcode or 0) < 0]
@@ -214,14 +221,35 @@ def run_job(job: Job) -> int:
               if lost else ""))
         return 0
     except KeyboardInterrupt as e:
-        _say("interrupted: ending the workers")
-        return 143 if isinstance(e, _Terminated) else 130
+        signum = signal.SIGTERM if isinstance(e, _Terminated) else signal.SIGINT
+        _say(f"{signal.Signals(signum).name}: passed on to the workers, who have {job.term_grace:g} s to end "
+             f"before SIGKILL")
+        _stop(started, signum, job.term_grace)
+        return 128 + signum
     finally:
         signal.signal(signal.SIGTERM, previous)
-        _end(started)
+        _stop(started, signal.SIGTERM, job.term_grace)
         for w in started:
             w.finish()
         store = None
+
+
+def _stop(workers: Sequence[_Worker], signum: int, grace: float) -> None:
+    """Send ``signum`` to the workers still running, wait up to ``grace`` seconds for them to end
+    (one saving a checkpoint in its handler needs the time), then SIGKILL those left. A second
+    interrupt while waiting cuts the wait short."""
+    alive = [w for w in workers if w.is_alive()]
+    for w in alive:
+        w.signal(signum)
+    deadline = time.monotonic() + grace
+    try:
+        for w in alive:
+            w.join(max(deadline - time.monotonic(), 0.0))
+    except KeyboardInterrupt:
+        pass
+    for w in alive:
+        w.kill()
+        w.join(5.0)
 
 
 def _fails_the_job(code: int, job: JobStore) -> bool:
