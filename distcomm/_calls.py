@@ -44,6 +44,8 @@ class Op(IntEnum):
     CREATE_LOCAL_GROUPS = 25
     GATHER_IN_ORDER = 26  # every rank's count of results (then a gather)
     ADMIT = 27  # who comes in, from rank 0 (see _membership.admit)
+    SYNC_STATE = 28  # every rank's fingerprints of its state, then whether it loaded what it was sent
+    CHECK_IDENTICAL = 29  # every rank's fingerprints, then the keys' of those that differ
 
     @property
     def label(self) -> str:

@@ -653,7 +653,7 @@ def _scatter_problem(objs: Any, src: int, world: int) -> str | None:
     return None
 
 
-for _name in COLLECTIVES:
+for _name in (*COLLECTIVES, "sync_state", "check_identical"):  # (the state calls run their own exchanges)
     setattr(Communicator, _name, exclusive(getattr(Communicator, _name)))
 # not public, but one collective at a time like them: it takes part in the other ranks' collective
 Communicator._refuse = exclusive(Communicator._refuse)  # type: ignore[method-assign]

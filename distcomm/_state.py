@@ -8,15 +8,12 @@ itself goes only to the members that need it, one point-to-point copy each.
 
 from __future__ import annotations
 
-import hashlib
-import pickle
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
-
-from ._errors import CollectiveMismatchError, CommunicatorStateError, SerializationError, is_rank_loss
+from ._calls import CallSpec, Op
+from ._errors import CollectiveError, CollectiveMismatchError, CommunicatorStateError, SerializationError, is_rank_loss
+from ._fingerprint import Path, entries, fingerprint, shown
 from ._wire.serialization import AuthenticatedSerializer, SafeSerializer, Serializer, serializing_with
 
 if TYPE_CHECKING:
@@ -24,7 +21,6 @@ if TYPE_CHECKING:
 
 __all__ = ["check_identical", "sync_state"]
 
-_DIGEST_BYTES = 16
 _STATE_TAG = 0x3FFF_5A7E  # (tags are below 2**30)
 
 
@@ -35,13 +31,13 @@ def sync_state(comm: Communicator, objects: tuple[Any, ...], allow: Iterable[Any
     What peers send is loaded with the safe loader (and the classes in ``allow``): state is
     tensors and plain values, so even a member can send wrong numbers, never code."""
     with serializing_with(_state_serializer(comm, allow)):
-        states, digests, src = _fingerprints(comm, objects, "sync_state")
+        states, digests, src = _fingerprints(comm, objects, Op.SYNC_STATE)
         needed = {r: [i for i, d in enumerate(digests[r]) if d != digests[src][i]] for r in range(comm.world_size)}
         if not any(needed.values()):
             comm._holds_state = True
             return
         failure = _hand_over(comm, objects, states, src, needed)
-        said = comm.all_gather(failure)  # (the sender too learns that a load failed: no rank goes on alone)
+        said = _exchange(comm, Op.SYNC_STATE, failure)  # (the sender too learns that a load failed)
     failed = [(r, text) for r, text in enumerate(said) if text is not None]
     if not failed:
         comm._holds_state = True  # (every member now holds the state of one that held it)
@@ -86,48 +82,63 @@ def check_identical(comm: Communicator, objects: tuple[Any, ...]) -> None:
     ranks whose state differs from the first member's (``sync_state``'s source) and the first key
     that differs. Fingerprints and keys are loaded with the safe loader, as ``sync_state``'s."""
     with serializing_with(_state_serializer(comm, ())):
-        states, digests, src = _fingerprints(comm, objects, "check_identical")
+        states, digests, src = _fingerprints(comm, objects, Op.CHECK_IDENTICAL)
         differ = [r for r in range(comm.world_size) if digests[r] != digests[src]]
         if not differ:
             return
-        keyed = [[(key, _leaf_digest(leaf)) for key, leaf in _leaves(state)] for state in states]
-        tables = comm.all_gather(keyed if comm.rank in (src, *differ) else None)  # (only when they differ)
+        keyed = [list(entries(state)) for state in states]
+        tables = _exchange(comm, Op.CHECK_IDENTICAL, keyed if comm.rank in (src, *differ) else None)
     names = [type(obj).__name__ for obj in objects]
     raise CollectiveMismatchError(_where_they_differ(tables, src, differ, names), op="check_identical", ranks=differ)
 
 
 def _fingerprints(comm: Communicator, objects: tuple[Any, ...],
-                  op: str) -> tuple[list[Any], list[list[bytes]], int]:
+                  op: Op) -> tuple[list[Any], list[list[bytes]], int]:
     """This rank's states (each object's ``state_dict()``, or the dict itself), every rank's
     fingerprints of theirs, and the source: the first rank that holds the job's trained state (not
     a newcomer not yet handed it, through any shrink, admit or split since). Objects that are
-    neither, counts that differ, and no rank holding the state are refused on every rank alike:
-    one rank's mistake doesn't leave the others waiting, and no newcomer's fresh state is taken."""
+    neither, a state that can't be read, counts that differ, and no rank holding the state are
+    refused on every rank alike: one rank's mistake doesn't leave the others waiting, and no
+    newcomer's fresh state is taken."""
+    states: list[Any] = []
+    mine: list[bytes] = []
     bad = [f"object {i} is a {type(obj).__name__}" for i, obj in enumerate(objects)
            if not (_stateful(obj) or isinstance(obj, dict))]
-    states = [] if bad else [obj.state_dict() if _stateful(obj) else obj for obj in objects]
-    gathered = comm.all_gather((op, bad, [_digest(_leaves(state)) for state in states], comm._holds_state))
-    holders = [r for r, (*_, holds) in enumerate(gathered) if holds]
-    gathered = [(o, b, d) for o, b, d, _ in gathered]
-    ops = [o for o, _, _ in gathered]  # both run on all_gather: one rank's sync_state beside another's
-    if len(set(ops)) > 1:  # check_identical would otherwise meet as one call, then wait in different ones
-        calls = ", ".join(f"rank {r} {o}" for r, o in enumerate(ops))
-        raise CollectiveMismatchError(f"{op}: the ranks called different state calls: {calls}", op=op,
-                                      ranks=[r for r, o in enumerate(ops) if o != ops[0]])
-    gathered = [(b, d) for _, b, d in gathered]
-    refused = [f"rank {r}: {', '.join(b)}" for r, (b, _) in enumerate(gathered) if b]
+    unread: str | None = None
+    if not bad:
+        try:
+            states = [obj.state_dict() if _stateful(obj) else obj for obj in objects]
+            mine = [fingerprint(state) for state in states]
+        except Exception as e:  # (a state_dict() of the user's: whatever it raises, on this rank alone)
+            unread = f"{type(e).__name__}: {e}"
+    gathered = _exchange(comm, op, (bad, unread, mine, comm._holds_state))
+    label = op.label
+    refused = [f"rank {r}: {', '.join(b)}" for r, (b, *_) in enumerate(gathered) if b]
     if refused:
-        raise TypeError(f"{op} takes objects with state_dict() and load_state_dict() (a model, an optimizer, a "
+        raise TypeError(f"{label} takes objects with state_dict() and load_state_dict() (a model, an optimizer, a "
                         f"scheduler, a grad scaler) or dicts; {'; '.join(refused)}")
-    counts = [len(d) for _, d in gathered]
+    failed = [r for r, (_, u, *_) in enumerate(gathered) if u]
+    if failed:
+        raise CollectiveError(f"{label}: rank(s) {failed} could not read their state; rank {failed[0]}: "
+                              f"{gathered[failed[0]][1]}", op=label, ranks=failed)
+    counts = [len(d) for _, _, d, _ in gathered]
     if len(set(counts)) > 1:
-        raise CollectiveMismatchError(f"{op}: ranks gave different numbers of state objects: {counts} (by rank)",
-                                      op=op, ranks=[r for r, n in enumerate(counts) if n != counts[0]])
+        raise CollectiveMismatchError(f"{label}: ranks gave different numbers of state objects: {counts} (by rank)",
+                                      op=label, ranks=[r for r, n in enumerate(counts) if n != counts[0]])
+    holders = [r for r, (*_, holds) in enumerate(gathered) if holds]
     if not holders:
         raise CommunicatorStateError(
-            f"{op}: no member holds the job's trained state: every rank that held it was lost, and the members "
+            f"{label}: no member holds the job's trained state: every rank that held it was lost, and the members "
             f"left are newcomers not yet handed it; start again from a checkpoint")
-    return states, [d for _, d in gathered], holders[0]
+    return states, [d for _, _, d, _ in gathered], holders[0]
+
+
+def _exchange(comm: Communicator, op: Op, obj: Any) -> list[Any]:
+    """Every rank's ``obj`` on every rank, as ``op``'s exchange: a rank in another call (another
+    state call, an all_gather) meets a CollectiveMismatchError naming both, not this call's bytes."""
+    if comm._returns_at_once():
+        return [obj]
+    return comm._run(CallSpec(op, -1, obj, comm._op_timeout(None)))
 
 
 def _stateful(obj: Any) -> bool:
@@ -142,58 +153,21 @@ def _load(obj: Any, state: Any) -> None:
         obj.load_state_dict(state)
 
 
-def _leaves(state: Any, key: str = "") -> Iterator[tuple[str, Any]]:
-    """``state``'s leaves with their dotted keys, in the order the state keeps them."""
-    if isinstance(state, Mapping):
-        for k, v in state.items():
-            yield from _leaves(v, f"{key}.{k}" if key else str(k))
-    elif isinstance(state, (list, tuple)):
-        for i, v in enumerate(state):
-            yield from _leaves(v, f"{key}.{i}" if key else str(i))
-    else:
-        yield key, state
-
-
-def _leaf_digest(leaf: Any) -> bytes:
-    """A leaf's fingerprint: a tensor's or an array's dtype, shape and bytes; a plain value's repr;
-    anything else's pickle (a repr may be cut short, as numpy's, or carry an address)."""
-    h = hashlib.blake2b(digest_size=_DIGEST_BYTES)
-    if isinstance(leaf, torch.Tensor):
-        t = leaf.detach()
-        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-        if t.numel():
-            h.update(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
-    elif isinstance(leaf, np.ndarray):
-        h.update(f"{leaf.dtype}{leaf.shape}".encode())
-        h.update(np.ascontiguousarray(leaf).view(np.uint8).data)
-    elif leaf is None or isinstance(leaf, (bool, int, float, complex, str, bytes)):
-        h.update(f"{type(leaf).__name__}:{leaf!r}".encode())
-    else:
-        try:
-            h.update(pickle.dumps(leaf, protocol=4))
-        except Exception:  # (not picklable: what it says of itself)
-            h.update(f"{type(leaf).__name__}:{leaf!r}".encode())
-    return h.digest()
-
-
-def _digest(leaves: Any) -> bytes:
-    h = hashlib.blake2b(digest_size=_DIGEST_BYTES)
-    for key, leaf in leaves:
-        h.update(key.encode())
-        h.update(_leaf_digest(leaf))
-    return h.digest()
-
-
 def _where_they_differ(tables: list[Any], src: int, differ: list[int], names: list[str]) -> str:
     """Which ranks differ from rank ``src``, and the first key (in its order) where one of them does."""
     head = f"check_identical: the state of rank(s) {differ} differs from rank {src}'s"
     for i, mine in enumerate(tables[src]):
         theirs = [dict(tables[r][i]) for r in differ]
-        for key, digest in mine:
-            odd = [r for r, t in zip(differ, theirs, strict=True) if t.get(key) != digest]
+        for path, digest in mine:
+            odd = [r for r, t in zip(differ, theirs, strict=True) if t.get(path) != digest]
             if odd:
-                return f"{head}; first at object {i} ({names[i]}), key {key!r} (rank(s) {odd})"
-        extra = sorted({k for t in theirs for k in t} - {k for k, _ in mine})
-        if extra:
-            return f"{head}; first at object {i} ({names[i]}), key {extra[0]!r}, which rank {src} lacks"
+                return f"{head}; first at object {i} ({names[i]}), {_place(path)} (rank(s) {odd})"
+        ours = {path for path, _ in mine}
+        extra = next((path for r in differ for path, _ in tables[r][i] if path not in ours), None)
+        if extra is not None:
+            return f"{head}; first at object {i} ({names[i]}), {_place(extra)}, which rank {src} lacks"
     return head
+
+
+def _place(path: Path) -> str:
+    return f"key {shown(path)!r}" if path else "its root"

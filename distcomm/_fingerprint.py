@@ -1,0 +1,126 @@
+"""Fingerprints of training state: equal on two processes exactly when their states are equal.
+
+A state (a ``state_dict()``, or a dict of the user's) is a tree of mappings, lists and tuples with
+tensors, arrays and plain values at its leaves. Its entries are every node's path (the keys on the
+way, with their types: ``{0: t}`` is not ``{"0": t}``, nor ``{"a": {"b": 1}}`` ``{"a.b": 1}``) and
+a digest of what is there: a leaf's value, or a container's kind, so that ``{"a": {}}`` is not
+``{"a": []}`` and an empty list is not the same as no key. Nothing in a digest follows the process:
+sets are digested in an order of their own, not in the interpreter's hash order, and every kind
+of tensor (sparse, quantized, conjugate or negative views, meta, a lazy module's uninitialized
+parameters) is digested by what it holds, without raising.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from torch.nn.parameter import is_lazy
+
+__all__ = ["Path", "entries", "fingerprint", "shown"]
+
+Path = tuple[Any, ...]
+"""The keys (and list indices) from the state's root to a node."""
+
+_DIGEST_BYTES = 16
+_PLAIN = (bool, int, float, complex, str, bytes, type(None))
+
+
+def fingerprint(state: Any) -> bytes:
+    """One digest of the whole state: its entries' paths and digests, in the state's order."""
+    h = hashlib.blake2b(digest_size=_DIGEST_BYTES)
+    for path, digest in entries(state):
+        h.update(_path_bytes(path))
+        h.update(digest)
+    return h.digest()
+
+
+def entries(state: Any, path: Path = ()) -> Iterator[tuple[Path, bytes]]:
+    """Every node of ``state`` (containers first, then what they hold) with its path and digest."""
+    if isinstance(state, Mapping):
+        yield path, _tagged(b"mapping")
+        for k, v in state.items():
+            yield from entries(v, (*path, k))
+    elif isinstance(state, (list, tuple)):
+        yield path, _tagged(type(state).__name__.encode())
+        for i, v in enumerate(state):
+            yield from entries(v, (*path, i))
+    else:
+        yield path, _leaf_digest(state)
+
+
+def shown(path: Path) -> str:
+    """A path as a user reads it: its keys joined with dots (``state.0.exp_avg``)."""
+    return ".".join(map(str, path))
+
+
+def _path_bytes(path: Path) -> bytes:
+    return repr(tuple(f"{type(k).__name__}:{k!r}" for k in path)).encode()
+
+
+def _tagged(tag: bytes) -> bytes:
+    return hashlib.blake2b(tag, digest_size=_DIGEST_BYTES).digest()
+
+
+def _leaf_digest(leaf: Any) -> bytes:
+    h = hashlib.blake2b(digest_size=_DIGEST_BYTES)
+    _digest_into(h, leaf)
+    return h.digest()
+
+
+def _digest_into(h: Any, value: Any) -> None:
+    """A value's bytes into ``h``: a tensor's or an array's by what it holds; a plain value's repr (a
+    repr of anything else may be cut short, as numpy's, or carry an address: its pickle)."""
+    if isinstance(value, torch.Tensor):
+        _tensor_into(h, value)
+    elif isinstance(value, np.ndarray):
+        h.update(f"ndarray{value.dtype}{value.shape}".encode())
+        h.update(np.ascontiguousarray(value).view(np.uint8).data)
+    elif isinstance(value, _PLAIN):
+        h.update(f"{type(value).__name__}:{value!r}".encode())
+    elif isinstance(value, (set, frozenset)):  # (its pickle follows the interpreter's hash seed)
+        h.update(f"{type(value).__name__}:{len(value)}".encode())
+        for digest in sorted(_leaf_digest(v) for v in value):
+            h.update(digest)
+    elif isinstance(value, (list, tuple)):  # (inside a set)
+        h.update(f"{type(value).__name__}:{len(value)}".encode())
+        for v in value:
+            h.update(_leaf_digest(v))
+    else:
+        try:
+            h.update(pickle.dumps(value, protocol=4))
+        except Exception:  # (not picklable: what it says of itself)
+            h.update(f"{type(value).__name__}:{value!r}".encode())
+
+
+def _tensor_into(h: Any, t: torch.Tensor) -> None:
+    """A tensor's dtype, shape and values (its layout's own parts where it isn't strided)."""
+    if is_lazy(t):  # (a lazy module before its first forward: no shape yet)
+        h.update(f"uninitialized:{t.dtype}".encode())
+        return
+    t = t.detach()
+    h.update(f"{t.dtype}{tuple(t.shape)}{t.layout}".encode())
+    if t.is_meta:  # (no values to read)
+        return
+    if t.layout == torch.sparse_coo:
+        t = t.coalesce()
+        _tensor_into(h, t.indices())
+        _tensor_into(h, t.values())
+    elif t.layout != torch.strided:  # the compressed layouts: the same values as coordinates
+        _tensor_into(h, t.to_sparse())
+    elif t.is_quantized:
+        h.update(str(t.qscheme()).encode())
+        if t.qscheme() in (torch.per_tensor_affine, torch.per_tensor_symmetric):
+            h.update(f"{t.q_scale()}:{t.q_zero_point()}".encode())
+        else:
+            h.update(f"axis {t.q_per_channel_axis()}".encode())
+            _tensor_into(h, t.q_per_channel_scales())
+            _tensor_into(h, t.q_per_channel_zero_points())
+        _tensor_into(h, t.int_repr())
+    elif t.numel():
+        values = t.resolve_conj().resolve_neg().cpu().contiguous().reshape(-1)
+        h.update(values.view(torch.uint8).numpy().data)
