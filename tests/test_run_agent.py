@@ -187,3 +187,39 @@ def test_sigterm_gives_the_workers_time_to_save_a_checkpoint(tmp_path: Path) -> 
 def test_term_grace_must_be_a_number_of_seconds(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     err = usage_error(["run", "--term-grace", "-1", _script(tmp_path, PLAIN_TORCH)], capsys)
     assert "--term-grace must be 0 or more seconds" in err, err
+
+
+SURVIVES_RANK_0 = """
+    import os, signal, time, distcomm
+    comm = distcomm.from_env()
+    step = 0
+    while step < 8:
+        try:
+            if comm.membership.job_ranks[comm.rank] == 0 and step == 3:
+                os.kill(os.getpid(), signal.SIGKILL)
+            comm.all_gather(step)
+            step += 1
+            time.sleep(0.1)
+        except Exception as e:
+            if not distcomm.is_rank_loss(e):
+                raise
+            comm = comm.shrink()
+    print(f"done: members {list(comm.membership.job_ranks)}", flush=True)
+    comm.close()
+"""
+
+
+def test_the_first_machines_agent_serves_the_store_until_the_others_end(tmp_path: Path) -> None:
+    """Two machines, one worker each: the first machine's worker is lost, and its agent keeps the
+    job's store served until the other machine's worker is done (its shrink() needs it)."""
+    import distcomm
+
+    port = distcomm.free_port()
+    env = {"DISTCOMM_JOB_KEY": f"the key of the two-machine job on port {port}"}
+    script = _script(tmp_path, SURVIVES_RANK_0)
+    agents = [_agent("--nnodes", "2", "--node-rank", str(k), "--master-port", str(port), script, env=env)
+              for k in (0, 1)]
+    (code_0, _, err_0), (code_1, out_1, err_1) = [_ended(a) for a in agents]
+    assert "done: members [1]" in out_1 and code_1 == 0, err_1[-3000:]
+    assert code_0 == 0, err_0[-3000:]
+    assert "serving the job's store until the other machines' agents end" in err_0, err_0

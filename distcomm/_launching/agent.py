@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import datetime
 import math
 import os
 import signal
@@ -21,8 +22,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import IO, Any
+
+import torch
 
 from .._trust.key import KEY_FILE_VAR, KEY_VAR, job_key, key_given, new_key
 from .ports import free_port
@@ -183,13 +186,26 @@ def worker_env(job: Job, local_rank: int, run_id: str, key: str | None) -> dict[
 
 def run_job(job: Job) -> int:
     """Run this machine's workers of ``job``; the exit status: 0 when the job finished (every worker
-    exited 0, but those lost while the others went on), else 1, the failure named."""
+    exited 0, but those lost while the others went on), else 1, the failure named. The agents of
+    the other machines beat in the job's store until they end, so that the first machine's, which
+    serves it, serves it until then (``_AgentBeat``)."""
     if job.master_port == 0:
         job = dataclasses.replace(job, master_port=free_port())
     if job.log_dir is not None:
         os.makedirs(job.log_dir, exist_ok=True)
-    store = serve_store(f"tcp://{job.master_addr}:{job.master_port}", job.world, job.timeout) if job.node_rank == 0 \
-        else None
+    beat = _AgentBeat(job) if job.node_rank > 0 else None
+    code = 1
+    try:
+        code = _run_workers(job)
+        return code
+    finally:
+        if beat is not None:
+            beat.end(code)
+
+
+def _run_workers(job: Job) -> int:
+    url = f"tcp://{job.master_addr}:{job.master_port}"
+    store = serve_store(url, job.world, job.timeout) if job.node_rank == 0 else None
     lock = threading.Lock()
     first = job.node_rank * job.nproc_per_node
     attempts = [0] * job.nproc_per_node
@@ -205,21 +221,15 @@ def run_job(job: Job) -> int:
     workers = [start(i) for i in range(job.nproc_per_node)]
     previous = signal.signal(signal.SIGTERM, _as_interrupt)
     try:
-        view = JobStore(store, f"tcp://{job.master_addr}:{job.master_port}", key_given(made))
+        view = JobStore(store, url, key_given(made))
         failed = wait_elastic(workers, _GRACE, lambda i, code: _fails_the_job(code, view), first, job.replacements,
                               start, view, _say)
         if failed:
             _stop(workers, signal.SIGTERM, job.term_grace)
             _say(_failure_line(failed, workers, first))
             return 1
-        lost = [w for w in started if (w.exitcode or 0) < 0]
-        if len(lost) == len(started):
-            _say("the job failed: every worker here was lost")
-            return 1
-        _say(f"the job finished: {job.nproc_per_node} worker(s) here" +
-             (f"; lost on the way: {', '.join(f'pid {w.pid} ({how_it_ended(w.exitcode or 0)})' for w in lost)}"
-              if lost else ""))
-        return 0
+        others = _serve_until_the_others_end(store, job.nnodes) if store is not None and job.nnodes > 1 else {}
+        return _verdict(started, others)
     except KeyboardInterrupt as e:
         signum = signal.SIGTERM if isinstance(e, _Terminated) else signal.SIGINT
         _say(f"{signal.Signals(signum).name}: passed on to the workers, who have {job.term_grace:g} s to end "
@@ -232,6 +242,86 @@ def run_job(job: Job) -> int:
         for w in started:
             w.finish()
         store = None
+
+
+def _verdict(started: Sequence[_Worker], others: dict[int, int | None]) -> int:
+    """Said and returned: 0 where the job finished (here, or on another machine where every worker
+    here was lost), 1 where every worker here was lost and no other machine finished."""
+    lost = [w for w in started if (w.exitcode or 0) < 0]
+    if len(lost) == len(started) and 0 not in others.values():
+        _say("the job failed: every worker here was lost")
+        return 1
+    where = "on the other machines; every worker here was lost" if len(lost) == len(started) else \
+        f": {len(started) - len(lost)} worker(s) here"
+    _say(f"the job finished {where}" +
+         (f"; lost on the way: {', '.join(f'pid {w.pid} ({how_it_ended(w.exitcode or 0)})' for w in lost)}"
+          if lost else ""))
+    return 0
+
+
+_BEAT_SECONDS = 1.0  # how often another machine's agent says it still runs
+_SILENT_SECONDS = 60.0  # an agent whose beat stood still this long is gone (its machine died, it was SIGKILLed)
+
+
+def _beat_key(node: int) -> str:
+    return f"distcomm-run/agent/{node}/beat"
+
+
+def _ended_key(node: int) -> str:
+    return f"distcomm-run/agent/{node}/ended"
+
+
+class _AgentBeat:
+    """The beat of an agent on a machine other than the first, in the job's store, and its exit
+    status once it ends: the first machine's agent serves the store until every other one ended."""
+
+    def __init__(self, job: Job) -> None:
+        self._host, self._port, self._node = job.master_addr, job.master_port, job.node_rank
+        self._store: Any = None
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="distcomm-run-beat", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        while not self._stopped.wait(_BEAT_SECONDS):
+            self._tell(lambda store: store.add(_beat_key(self._node), 1))
+
+    def end(self, code: int) -> None:
+        """Say this agent ended, with ``code``."""
+        self._stopped.set()
+        self._thread.join(10.0)
+        self._tell(lambda store: store.set(_ended_key(self._node), str(code)))
+
+    def _tell(self, write: Callable[[Any], object]) -> None:
+        """``write(store)``, connected first where it isn't (the first machine's agent may start later)."""
+        try:
+            if self._store is None:
+                self._store = torch._C._distributed_c10d.TCPStore(self._host, self._port, is_master=False,
+                                                         timeout=datetime.timedelta(seconds=5))
+            write(self._store)
+        except Exception:  # not reachable now: a later beat tries again
+            self._store = None
+
+
+def _serve_until_the_others_end(store: Any, nnodes: int) -> dict[int, int | None]:
+    """Keep serving the job's store, which the other machines' workers use, until every other agent
+    ended or fell silent; their exit statuses (None: fell silent)."""
+    _say("serving the job's store until the other machines' agents end")
+    heard = {k: (-1, time.monotonic()) for k in range(1, nnodes)}
+    ended: dict[int, int | None] = {}
+    while len(ended) < nnodes - 1:
+        for k in heard.keys() - ended.keys():
+            if store.check([_ended_key(k)]):
+                ended[k] = int(store.get(_ended_key(k)).decode() or 1)
+                continue
+            count = int(store.add(_beat_key(k), 0))
+            if count != heard[k][0]:
+                heard[k] = (count, time.monotonic())
+            elif time.monotonic() - heard[k][1] > _SILENT_SECONDS:
+                _say(f"the agent of machine {k} fell silent {_SILENT_SECONDS:g} s ago: taken for ended")
+                ended[k] = None
+        time.sleep(_BEAT_SECONDS)
+    return ended
 
 
 def _stop(workers: Sequence[_Worker], signum: int, grace: float) -> None:
