@@ -201,25 +201,35 @@ _CARRIED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch
 
 def carried_bytes(comm: Communicator, op: Op, tensor: torch.Tensor, reduce_op: str | None) -> bytes | None:
     """This rank's tensor as the bytes its check carries, where the call can ride in it (None: it
-    can't). Ranks whose tensors match take the same way; where they don't, the check fails on every
-    rank, whichever way each took. A fold in rank order gives what gloo's ring gives (``folds_as_ring``)."""
+    can't). Whether it can depends only on what the check compares (dtype, shape, device, op): ranks
+    whose tensors match take the same way, whatever else differs (one rank's tensor requires grad,
+    another's is a transposed view); where they don't match, the check fails on every rank, whichever
+    way each took. A fold in rank order gives what gloo's ring gives (``folds_as_ring``)."""
     if (op not in _CARRIED_OPS or comm.world_size > _frame.SMALL_WORLD or comm._agrees_by_reduction
-            or tensor.dtype not in _CARRIED_DTYPES or tensor.device.type != "cpu" or tensor.requires_grad
-            or not tensor.is_contiguous() or tensor.is_neg()
+            or tensor.dtype not in _CARRIED_DTYPES or tensor.device.type != "cpu"
             or (op is not Op.BROADCAST_TENSOR and not folds_as_ring(tensor.dtype, reduce_op))
             or not 0 < tensor.numel() * tensor.element_size() <= min(CARRY_BYTES, _frame.carry_room(comm._slot_size))):
         return None
-    return tensor.view(-1).view(torch.uint8).numpy().tobytes()
+    return _plain(tensor).view(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _plain(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s values in a tensor of its own memory layout's simplest kind: no autograd, no
+    negative view, contiguous (``tensor`` itself where it is one already: the common call)."""
+    if tensor.requires_grad or tensor.is_neg() or not tensor.is_contiguous():
+        return tensor.detach().resolve_neg().contiguous()
+    return tensor
 
 
 def _carried(comm: Communicator, op: Op, root: int, tensor: torch.Tensor, reduce_op: str | None, carried: bytes,
              timeout: float | None, st: OpStats, t0: float) -> torch.Tensor:
     """The call inside its check: every rank's bytes come back with the slots; fold (or take the root's)."""
     digest, _ = tensor_fields(op, tensor, reduce_op, None)
-    flat = tensor.view(-1)
     rows = comm._run(CallSpec(op, root, tensor, timeout, serialize=False, digest=digest, carries=True, inline=carried,
                               on_digest_mismatch=lambda: _mismatch(comm, op, tensor, reduce_op, timeout)))
     t1 = time.perf_counter()
+    work = _plain(tensor)
+    flat = work.view(-1)
     if op is Op.BROADCAST_TENSOR:
         flat.view(torch.uint8).numpy()[:] = rows[root]
     else:
@@ -227,6 +237,8 @@ def _carried(comm: Communicator, op: Op, root: int, tensor: torch.Tensor, reduce
         fold_rows(rows, flat, reduce_op)
         if reduce_op == "mean":
             flat.div_(comm.world_size)
+    if work is not tensor:  # (a copy: written back)
+        tensor.detach().copy_(work)
     st.serialize_s += t1 - t0
     st.transfer_s += time.perf_counter() - t1
     return tensor

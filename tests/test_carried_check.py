@@ -145,3 +145,29 @@ def test_a_carried_sum_that_overflows_gives_torchs_inf_and_nan_without_warnings(
     for (ours, theirs), caught in spawn(_overflowing, 2, timeout=120):
         assert str(ours) == str(theirs) == str([float("inf"), float("-inf"), float("nan"), 2.0]), (ours, theirs)
         assert caught == [], caught
+
+
+def _tensors_alike_but_for_their_memory(comm: distcomm.Communicator) -> dict[str, Any]:
+    """What only one rank's tensor is: requiring grad (the others' batch was empty), a transposed
+    view (a receive buffer), a negative view. The check compares dtype, shape and op alone."""
+    weight = torch.ones(3, requires_grad=True)
+    loss = (weight * 2).sum().reshape(1) if comm.rank else torch.zeros(1)
+    with torch.no_grad():
+        comm.all_reduce(loss)
+    received = torch.zeros(2, 3).t() if comm.rank else torch.arange(6.0).reshape(3, 2)
+    comm.broadcast_tensor(received, src=0)
+    negative = torch.ones(2)._neg_view() if comm.rank else torch.ones(2)
+    comm.all_reduce(negative)
+    leaf = torch.full((2,), 1.0 + comm.rank, requires_grad=bool(comm.rank))
+    comm.all_reduce(leaf, op="max")
+    return {"loss": loss.tolist(), "received": received.tolist(), "negative": negative.tolist(),
+            "leaf": leaf.tolist(), "grad": loss.requires_grad}
+
+
+@pytest.mark.parametrize("run", ["threads", "gloo"])
+def test_ranks_that_differ_only_in_grad_or_layout_reduce_as_before(run: str) -> None:
+    outs = run_threaded(_tensors_alike_but_for_their_memory, 2, timeout=60) if run == "threads" else \
+        spawn(_tensors_alike_but_for_their_memory, 2, timeout=60)
+    for r, got in enumerate(outs):
+        assert got == {"loss": [6.0], "received": torch.arange(6.0).reshape(3, 2).tolist(), "negative": [0.0, 0.0],
+                       "leaf": [2.0, 2.0], "grad": r == 1}, (r, got)
