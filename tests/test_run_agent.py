@@ -223,3 +223,26 @@ def test_the_first_machines_agent_serves_the_store_until_the_others_end(tmp_path
     assert "done: members [1]" in out_1 and code_1 == 0, err_1[-3000:]
     assert code_0 == 0, err_0[-3000:]
     assert "serving the job's store until the other machines' agents end" in err_0, err_0
+
+
+KILLED_BEFORE_FROM_ENV = """
+    import os, signal, sys, time
+    from pathlib import Path
+    killed = Path(sys.argv[1]) / "killed"
+    if os.environ["RANK"] == "1" and not killed.exists():
+        killed.write_text("")
+        os.kill(os.getpid(), signal.SIGKILL)  # the OOM killer, while it builds its model
+    time.sleep(2)  # (the others build theirs for longer)
+    import distcomm
+    comm = distcomm.from_env()
+    print(f"done: {comm.all_gather(comm.rank)}", flush=True)
+    comm.close()
+"""
+
+
+def test_a_worker_killed_before_it_met_the_others_is_started_again(tmp_path: Path) -> None:
+    out = cli("run", "--nproc-per-node", "3", "--replacements", "1", _script(tmp_path, KILLED_BEFORE_FROM_ENV),
+              str(tmp_path), timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "rank 1 (pid " in out.stderr and "was lost (killed by SIGKILL); started again" in out.stderr, out.stderr
+    assert out.stdout.count("done: [0, 1, 2]") == 3, out.stdout

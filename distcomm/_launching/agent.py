@@ -222,8 +222,11 @@ def _run_workers(job: Job) -> int:
     previous = signal.signal(signal.SIGTERM, _as_interrupt)
     try:
         view = JobStore(store, url, key_given(made))
-        failed = wait_elastic(workers, _GRACE, lambda i, code: _fails_the_job(code, view), first, job.replacements,
-                              start, view, _say)
+        def fails(i: int, code: int) -> bool:
+            replacements_left = job.replacements - (sum(attempts) - job.nproc_per_node)
+            return _fails_the_job(code, view, replacements_left > 0)
+
+        failed = wait_elastic(workers, _GRACE, fails, first, job.replacements, start, view, _say)
         if failed:
             _stop(workers, signal.SIGTERM, job.term_grace)
             _say(_failure_line(failed, workers, first))
@@ -342,14 +345,17 @@ def _stop(workers: Sequence[_Worker], signum: int, grace: float) -> None:
         w.join(5.0)
 
 
-def _fails_the_job(code: int, job: JobStore) -> bool:
+def _fails_the_job(code: int, job: JobStore, replaceable: bool) -> bool:
     """Whether a worker's end fails the job: it exited non-zero (it raised), it crashed (a signal
     other than SIGKILL or SIGTERM: SIGSEGV, SIGABRT, ...), or it was killed in a job whose workers
-    don't use distcomm's membership (a plain torch script: its survivors could only wait for it).
-    Else it is lost, and the others go on."""
+    don't use distcomm's membership (a plain torch script: its survivors could only wait for it),
+    unless no worker met anyone yet and it can be ``replaceable`` (started again, it takes its place
+    in the first meeting). Else it is lost, and the others go on."""
     if code > 0 or (code < 0 and -code not in (signal.SIGKILL, signal.SIGTERM)):
         return True
-    return code < 0 and not job.uses_membership()
+    if code == 0 or job.uses_membership():
+        return False
+    return not (replaceable and not job.anyone_met())
 
 
 def _as_interrupt(signum: int, frame: Any) -> None:

@@ -82,6 +82,12 @@ class JobStore:
         """Whether the workers met in distcomm's rendezvous (they can shrink past a lost one)."""
         return any(k.startswith("distcomm/") for k in self._keys())
 
+    def anyone_met(self) -> bool:
+        """Whether any worker wrote to the store yet (distcomm's rendezvous or torch's): before that,
+        a worker started again simply takes its place in the job's first meeting. The agents' own
+        keys (``distcomm-run/``) don't count."""
+        return any(not k.startswith("distcomm-run/") for k in self._keys())
+
     def _keys(self) -> list[str]:
         if self._store is None:
             host, _, port = self._url.removeprefix("tcp://").rpartition(":")
