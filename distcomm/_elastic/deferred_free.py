@@ -8,7 +8,8 @@ campaign), and torn down at interpreter exit under such a thread, it aborts the 
 ("terminate called without an active exception"). Held forever, every shrink would keep its
 groups' threads and connections for the life of the process. So each is held for its timeout,
 and freed at the next safe point after that (a later shrink, a close): at any moment a process
-holds only the groups of the memberships that broke within one timeout."""
+holds only the groups of the memberships that lost a rank within one timeout. Those of a
+membership that lost no one have no peer to wait on, and go with its shrink (``free``)."""
 
 from __future__ import annotations
 
@@ -31,13 +32,21 @@ class DeferredFree:
         self._held: list[tuple[float, Any]] = []
         self._lock = threading.Lock()
 
-    def hold(self, things: Any, timeout: float | None) -> None:
+    def hold(self, things: Any, timeout: float | None) -> Any:
         """Keep ``things`` (groups, their pending work, a failed try that holds them) for ``timeout``
         seconds, the longest a transport thread of theirs can wait, and a margin (None: a group
-        whose timeout this process doesn't know, held for good)."""
+        whose timeout this process doesn't know, held for good). Returns ``things``, for ``free``."""
         until = math.inf if timeout is None else time.monotonic() + timeout + MARGIN_SECONDS
         with self._lock:
             self._held.append((until, things))
+        return things
+
+    def free(self, held: list[Any]) -> None:
+        """Let go of what ``hold`` returned, now: no peer of those groups was lost, so no transport
+        thread of theirs waits on one."""
+        ids = {id(things) for things in held}
+        with self._lock:
+            self._held = [(until, things) for until, things in self._held if id(things) not in ids]
 
     def free_due(self) -> int:
         """Let go of what is past its time, here and now (its threads are joined on this thread,

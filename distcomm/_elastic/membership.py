@@ -38,6 +38,7 @@ from .._transfer.transport import front_door
 from .._trust.handshake import known_ticket
 from .._trust.key import KEY_FILE_VAR, KEY_VAR
 from .._trust.records import Records
+from .deferred_free import DEFERRED
 from .keepalive import broken_key, keep_alive
 from .liveness import HOSTS_LOST, alive, lost_by_silence
 
@@ -314,11 +315,13 @@ def survivors(comm: _TorchCommunicator, seconds: float | None,
     seat = _job_seat(comm, "shrink")
     comm._break_waits(BREAK_SECONDS)  # (this process's own waits first: the others' break at their next beat)
     tell_broken(seat)
-    comm._abandon()
+    held = comm._abandon()
     seat, via_admit = successor(seat)
     if via_admit:
         tell_broken(seat)
     new, lost = reformed(seat, pids, _bounded(seconds))
+    if not lost:  # (every peer of those groups is here: no transport thread of theirs waits on a lost one)
+        DEFERRED.free(held)
     return (new if via_admit else dataclasses.replace(new, admitted=())), lost
 
 

@@ -107,27 +107,31 @@ class TorchMembership:
         comm._waits_broken = True
         return comm._held_groups() + [g for sub in list(comm._subs) for g in sub._groups_to_break()]
 
-    def _abandon(self) -> None:
+    def _abandon(self) -> list[Any]:
         """Close over a failure: nothing waits for peers that may be gone (eager sends, pending calls).
 
-        Its groups and their pending work are held for the group's timeout (``_deferred_free``),
-        broken or not: a transport thread of theirs may still wait on a lost peer until then."""
+        Its groups and their pending work (and its sub-communicators') are held for the group's
+        timeout (``_deferred_free``), broken or not: a transport thread of theirs may still wait on
+        a lost peer until then. Returns what it held (``DEFERRED.free`` lets go of it at once)."""
         comm = _torch_comm(self)
         DEFERRED.free_due()
         with comm._eager_lock:
-            held = [comm._eager, comm._held_groups(), comm._queues]
+            held = [DEFERRED.hold([comm._eager, comm._held_groups(), comm._queues], comm._timeout)]
             comm._eager = []
-        DEFERRED.hold(held, comm._timeout)
         comm._queues = Queues()
         comm._children.clear()  # their groups go with the default group
-        comm._retire_subs("shrink")
+        held += comm._retire_subs("shrink")
         comm.close()
+        return held
 
-    def _retire_subs(self, by: str) -> None:
-        """Close the sub-communicators split from this one: their groups go with its default group."""
+    def _retire_subs(self, by: str) -> list[Any]:
+        """Close the sub-communicators split from this one: their groups go with its default group.
+        Returns what closing them held."""
         comm = _torch_comm(self)
+        held = []
         for sub in list(comm._subs):
             if not sub._closed:
                 sub._closed_why = f": the job's communicator it was split from was remade by {by}(); split the new one"
-                sub._abandon()
+                held += sub._abandon()
         comm._subs = weakref.WeakSet()
+        return held
