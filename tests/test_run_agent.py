@@ -6,6 +6,7 @@ workers fresh interpreters that it starts."""
 from __future__ import annotations
 
 import os
+import select
 import signal
 import textwrap
 import time
@@ -246,3 +247,51 @@ def test_a_worker_killed_before_it_met_the_others_is_started_again(tmp_path: Pat
     assert out.returncode == 0, out.stderr[-3000:]
     assert "rank 1 (pid " in out.stderr and "was lost (killed by SIGKILL); started again" in out.stderr, out.stderr
     assert out.stdout.count("done: [0, 1, 2]") == 3, out.stdout
+
+
+MANY_LINES = """
+    for i in range(20000):  # 2 MB: more than a pipe holds
+        print(f"line {i:5d} " + "x" * 90)
+"""
+
+
+def test_output_to_a_reader_that_left_is_dropped_and_the_job_ends(tmp_path: Path) -> None:
+    """``distcomm run train.py | head``: the workers' output is read and dropped once nobody reads it."""
+    agent = _agent(_script(tmp_path, MANY_LINES))
+    try:
+        assert agent.stdout.readline().startswith("[rank0]: line     0")
+        agent.stdout.close()
+        assert agent.wait(120) == 0
+        assert "the job finished" in agent.stderr.read()
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+
+
+PROGRESS_BAR = """
+    import sys, time
+    from pathlib import Path
+    sys.stdout.write("\\rtraining:  50%|#####     |")
+    sys.stdout.flush()
+    go, deadline = Path(sys.argv[1]) / "go", time.monotonic() + 100
+    while not go.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    print("\\rtraining: 100%|##########|")
+"""
+
+
+def test_a_progress_bar_shows_before_its_line_ends(tmp_path: Path) -> None:
+    agent = _agent(_script(tmp_path, PROGRESS_BAR), str(tmp_path))
+    try:
+        seen, deadline = b"", time.monotonic() + 60
+        while b"50%" not in seen and time.monotonic() < deadline and agent.poll() is None:
+            if select.select([agent.stdout], [], [], 1.0)[0]:
+                seen += os.read(agent.stdout.fileno(), 4096)
+        assert seen == b"\r[rank0]: training:  50%|#####     |", seen
+        (tmp_path / "go").write_text("")
+        code, out, err = _ended(agent)
+        assert code == 0, err
+        assert out.strip() == "[rank0]: training: 100%|##########|", repr(out)  # (read with \r as a line end)
+    finally:
+        if agent.poll() is None:
+            agent.kill()

@@ -23,13 +23,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import IO, Any
+from typing import Any
 
 import torch
 
 from .._trust.key import KEY_FILE_VAR, KEY_VAR, job_key, key_given, new_key
 from .ports import free_port
-from .rank_output import log_name
+from .rank_output import Tail, log_name, pass_through
 from .rendezvous import serve_store
 from .supervise import JobStore, how_it_ended, saying, wait_elastic
 
@@ -87,7 +87,7 @@ class Job:
 
 class _Worker:
     """One worker process, as ``wait_elastic`` watches one (``exitcode``, ``sentinel``, ``pid``,
-    ``is_alive``, ``terminate``, ``kill``, ``join``), with its output copied line by line."""
+    ``is_alive``, ``terminate``, ``kill``, ``join``), with its output passed through as it comes."""
 
     def __init__(self, job: Job, rank: int, attempt: int, env: dict[str, str], lock: threading.Lock) -> None:
         log = None if job.log_dir is None else open(os.path.join(job.log_dir, log_name(rank, attempt)), "w",
@@ -97,10 +97,13 @@ class _Worker:
         self.pid = self._popen.pid
         self.sentinel = os.pidfd_open(self.pid)  # readable once the process ends: waited on with the others
         tag = f"[rank{rank}]: " if job.prefix else ""
-        self.last_words = [""]  # its last line on stderr (a traceback's: what it raised)
-        self._copies = [threading.Thread(target=_copy, args=(pipe, out, tag, log, lock, last), daemon=True)
-                        for pipe, out, last in ((self._popen.stdout, sys.stdout, None),
-                                                (self._popen.stderr, sys.stderr, self.last_words))]
+        self.stderr_tail = Tail()  # (a traceback's end: what it raised)
+        streams = ((self._popen.stdout, sys.stdout, None), (self._popen.stderr, sys.stderr, self.stderr_tail))
+        self._copies = [threading.Thread(target=pass_through, args=(os.dup(pipe.fileno()), out, tag, log, lock, tail),
+                                         daemon=True) for pipe, out, tail in streams if pipe is not None]
+        for pipe, _, _ in streams:
+            if pipe is not None:
+                pipe.close()  # (its copy is the one read)
         for t in self._copies:
             t.start()
         self._log = log
@@ -146,25 +149,6 @@ def _die_with_the_agent() -> None:
     with SIGKILL, it leaves no orphan). Only a call prepared beforehand: the agent has threads."""
     if _PRCTL is not None:
         _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-def _copy(pipe: IO[bytes] | None, out: IO[str], tag: str, log: IO[str] | None, lock: threading.Lock,
-          last: list[str] | None) -> None:
-    """The worker's lines to the agent's stream (each whole, prefixed, unless torch prefixed it
-    already) and to its log (as they are); the last one kept in ``last``."""
-    assert pipe is not None
-    for raw in iter(pipe.readline, b""):
-        line = raw.decode("utf-8", "replace")
-        if last is not None and line.strip():
-            last[0] = line.strip().removeprefix(tag.strip()).strip()
-        shown = line if line.startswith(tag) else tag + line
-        with lock:
-            out.write(shown if shown.endswith("\n") else f"{shown}\n")
-            out.flush()
-            if log is not None:
-                log.write(line)
-                log.flush()
-    pipe.close()
 
 
 def worker_env(job: Job, local_rank: int, run_id: str, key: str | None) -> dict[str, str]:
@@ -254,9 +238,9 @@ def _verdict(started: Sequence[_Worker], others: dict[int, int | None]) -> int:
     if len(lost) == len(started) and 0 not in others.values():
         _say("the job failed: every worker here was lost")
         return 1
-    where = "on the other machines; every worker here was lost" if len(lost) == len(started) else \
+    where = " on the other machines; every worker here was lost" if len(lost) == len(started) else \
         f": {len(started) - len(lost)} worker(s) here"
-    _say(f"the job finished {where}" +
+    _say(f"the job finished{where}" +
          (f"; lost on the way: {', '.join(f'pid {w.pid} ({how_it_ended(w.exitcode or 0)})' for w in lost)}"
           if lost else ""))
     return 0
@@ -366,11 +350,18 @@ class _Terminated(KeyboardInterrupt):
     """SIGTERM to the agent: it ends the workers and exits 143, as a process ended by SIGTERM would say."""
 
 
+def _last_words(stderr: str) -> str:
+    """A failed worker summed up by its last line on stderr (a traceback's: what it raised)."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    return lines[-1].removeprefix("[rank").partition("]:")[2].strip() if lines and lines[-1].startswith("[rank") \
+        else (lines[-1] if lines else "")
+
+
 def _failure_line(failed: dict[int, tuple[int, float]], workers: Sequence[_Worker], first: int) -> str:
     """The worker that failed first, and the others that did, in one line each."""
     order = sorted(failed, key=lambda i: failed[i][1])
     lines = [f"rank {first + i} (pid {workers[i].pid}) {how_it_ended(failed[i][0])}" for i in order]
-    said = workers[order[0]].last_words[0]  # (the others' are what they saw of it)
+    said = _last_words(workers[order[0]].stderr_tail.text)  # (the others' are what they saw of it)
     lines[0] += f": {said}" if said else ""
     return "the job failed: " + lines[0] + "".join(f"\n  then rank {line.removeprefix('rank ')}" for line in lines[1:])
 

@@ -9,13 +9,17 @@ or ranks a launcher started, print as they would without it).
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import io
 import os
+import re
+import select
 import sys
+import threading
 from typing import Any, TextIO
 
-__all__ = ["RankOutput", "log_name"]
+__all__ = ["RankOutput", "Tail", "log_name", "pass_through"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,3 +111,94 @@ class _Lines(io.TextIOBase):
 
     def __getattr__(self, name: str) -> Any:  # errors, buffer, ... of the stream underneath
         return getattr(self._target, name)
+
+
+_QUIET_SECONDS = 0.05  # a line not ended yet (a progress bar) goes out once its worker is this long quiet
+_LINE_END = re.compile(r"(\r\n|\r|\n)")
+
+
+class Tail:
+    """The last ``size`` characters a worker wrote to a stream (its traceback, where it raised)."""
+
+    def __init__(self, size: int = 16384) -> None:
+        self.text, self._size = "", size
+
+    def add(self, text: str) -> None:
+        self.text = (self.text + text)[-self._size:]
+
+
+def pass_through(fd: int, out: TextIO, tag: str, log: TextIO | None, lock: threading.Lock, tail: Tail | None) -> None:
+    """Copy what a worker writes to the pipe ``fd`` on to ``out`` as it comes, ``tag`` at the start
+    of each line (after a newline or a ``\\r``: a progress bar redraws its line), and to ``log`` as
+    it is, its end into ``tail``; until the worker closes the pipe (it ended), then close it.
+
+    Whole lines go out in one write each, so that workers sharing a terminal don't cut into each
+    other's lines; what follows the last line end (a progress bar's update) once the worker is
+    quiet for a moment. Once ``out`` can't be written (its reader left: ``| head``), the rest is
+    read and dropped: a worker never blocks on a full pipe."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    tagged = _Tagged(tag)
+    pending = ""  # read, after the last line end: waits a moment for the rest of its line
+    while True:
+        if pending and not select.select([fd], [], [], _QUIET_SECONDS)[0]:
+            _write(out, tagged(pending), lock)
+            pending = ""
+            continue
+        chunk = os.read(fd, 65536)
+        new = decoder.decode(chunk, final=not chunk)
+        if log is not None:
+            log.write(new)
+            log.flush()
+        if tail is not None:
+            tail.add(new)
+        text = pending + new
+        cut = len(text) if not chunk else max(text.rfind("\n"), text.rfind("\r")) + 1
+        if cut:
+            _write(out, tagged(text[:cut]) + ("" if tagged.at_start or chunk else "\n"), lock)
+        pending = text[cut:]
+        if not chunk:
+            break
+    os.close(fd)
+
+
+class _Tagged:
+    """``tag`` put at the start of each line of a stream written in pieces."""
+
+    def __init__(self, tag: str) -> None:
+        self._tag, self.at_start = tag, True
+
+    def __call__(self, text: str) -> str:
+        if not self._tag:
+            self.at_start = text.endswith(("\n", "\r")) if text else self.at_start
+            return text
+        parts = []
+        for part in _LINE_END.split(text):
+            if not part:
+                continue
+            if _LINE_END.fullmatch(part):
+                self.at_start = True
+            elif self.at_start:
+                self.at_start = False
+                if not part.startswith(self._tag):  # (prefixed already: a worker that tags its own lines)
+                    parts.append(self._tag)
+            parts.append(part)
+        return "".join(parts)
+
+
+def _write(out: TextIO, text: str, lock: threading.Lock) -> None:
+    """``text`` to ``out``; where its reader is gone, ``out`` is pointed at /dev/null, so that the
+    rest (and the interpreter's last flush) is dropped without an error."""
+    if not text:
+        return
+    with lock:
+        try:
+            out.write(text)
+            out.flush()
+        except (BrokenPipeError, ValueError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(devnull, out.fileno())
+            except (OSError, ValueError):  # (no descriptor: nothing will flush it at exit)
+                pass
+            finally:
+                os.close(devnull)
