@@ -295,3 +295,29 @@ def test_a_progress_bar_shows_before_its_line_ends(tmp_path: Path) -> None:
     finally:
         if agent.poll() is None:
             agent.kill()
+
+
+RAISES_A_TABLE = """
+    class BatchError(Exception):
+        pass
+
+    raise BatchError("the ranks disagree on the batch:\\nrank 0: 32 rows at job.py:6\\nrank 1: 31 rows at job.py:6")
+"""
+
+WARNED_THEN_KILLED = """
+    import os, signal, warnings
+    warnings.warn("this DataLoader will create 4 worker processes")
+    print("loading", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.parametrize(("source", "summary"), [
+    (RAISES_A_TABLE, "exited with code 1: BatchError: the ranks disagree on the batch:\n"),
+    (WARNED_THEN_KILLED, "killed by SIGKILL\n"),
+])
+def test_a_failed_worker_is_summed_up_by_what_it_raised_or_by_its_signal(tmp_path: Path, source: str,
+                                                                           summary: str) -> None:
+    out = cli("run", _script(tmp_path, source), timeout=120)
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.endswith(summary) and "the job failed: rank 0 (pid " in out.stderr, out.stderr

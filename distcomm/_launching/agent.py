@@ -17,6 +17,7 @@ import dataclasses
 import datetime
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -350,18 +351,35 @@ class _Terminated(KeyboardInterrupt):
     """SIGTERM to the agent: it ends the workers and exits 143, as a process ended by SIGTERM would say."""
 
 
-def _last_words(stderr: str) -> str:
-    """A failed worker summed up by its last line on stderr (a traceback's: what it raised)."""
-    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
-    return lines[-1].removeprefix("[rank").partition("]:")[2].strip() if lines and lines[-1].startswith("[rank") \
-        else (lines[-1] if lines else "")
+_TAG = re.compile(r"^\[rank\d+\]: ?")  # (a worker that tags its own lines)
+
+
+def _last_words(stderr: str, code: int) -> str:
+    """What sums up a failed worker's end from its last words on stderr: the exception its last
+    traceback ends with (its first line: a multi-line error's rows follow it), else, for a worker
+    that exited non-zero, its last line. One killed by a signal is summed up by the signal alone,
+    unless a traceback is the last it wrote (what it wrote earlier, a warning, says nothing of it)."""
+    lines = [_TAG.sub("", line) for line in stderr.splitlines()]
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last):")]
+    raised = next((i for i in range(starts[-1] + 1, len(lines)) if lines[i].strip() and not lines[i][0].isspace()),
+                  None) if starts else None
+    if raised is not None and (code > 0 or _only_its_message_after(lines, raised)):
+        return lines[raised].strip()
+    said = [line.strip() for line in lines if line.strip()]
+    return said[-1] if said and code > 0 else ""
+
+
+def _only_its_message_after(lines: list[str], raised: int) -> bool:
+    """Whether the exception line at ``raised`` ends the output, but for its message's own lines
+    (indented, as distcomm's tables and chained notes are)."""
+    return all(not line.strip() or line[0].isspace() for line in lines[raised + 1:])
 
 
 def _failure_line(failed: dict[int, tuple[int, float]], workers: Sequence[_Worker], first: int) -> str:
     """The worker that failed first, and the others that did, in one line each."""
     order = sorted(failed, key=lambda i: failed[i][1])
     lines = [f"rank {first + i} (pid {workers[i].pid}) {how_it_ended(failed[i][0])}" for i in order]
-    said = _last_words(workers[order[0]].stderr_tail.text)  # (the others' are what they saw of it)
+    said = _last_words(workers[order[0]].stderr_tail.text, failed[order[0]][0])  # (the others': what they saw of it)
     lines[0] += f": {said}" if said else ""
     return "the job failed: " + lines[0] + "".join(f"\n  then rank {line.removeprefix('rank ')}" for line in lines[1:])
 
