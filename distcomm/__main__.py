@@ -44,8 +44,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 description=_store.__doc__)
     store.add_argument("--port", type=int, required=True, help="the port to listen on (the ranks' MASTER_PORT)")
     store.add_argument("--world-size", type=int, default=1, help="the job's ranks (informational)")
-    _run_parser(commands)
-    args = parser.parse_args(argv)
+    run = _run_parser(commands)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # (said by the command's own parser: its usage, not the top level's)
+        (run if args.command == "run" else parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if not 0 < getattr(args, "timeout", 1.0) < math.inf or (getattr(args, "nproc", None) or 1) < 1:
         parser.error("--timeout must be a positive, finite number of seconds and --nproc 1 or more")
     if getattr(args, "backend", None) == "nccl" and not _cuda():
@@ -57,13 +59,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "store":
         return _store(args.port, args.world_size)
     if args.command == "run":
-        return _run(parser, args)
+        return _run(run, args)
     if args.command == "check":
         return _on_every_rank(parser, _check, (), args)
     return _bench_command(parser, args)
 
 
-def _run_parser(commands: Any) -> None:
+def _run_parser(commands: Any) -> argparse.ArgumentParser:
     run = commands.add_parser(
         "run", help="start this machine's workers as torchrun does, keeping the survivors when one is lost",
         description="Start this machine's workers with torchrun's variables (a plain torch script runs unchanged); "
@@ -72,6 +74,8 @@ def _run_parser(commands: Any) -> None:
     run.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1, help="workers on this machine")
     run.add_argument("--nnodes", type=int, default=1, help="machines in the job (one agent each)")
     run.add_argument("--node-rank", "--node_rank", type=int, default=0, help="this machine's index")
+    run.add_argument("--standalone", action="store_true",
+                     help="a job of this machine alone, on a free port (torchrun's flag; the default here)")
     run.add_argument("--master-addr", "--master_addr", default="127.0.0.1", help="the first machine's address")
     run.add_argument("--master-port", "--master_port", type=int, default=0,
                      help="the job's store's port on the first machine (default on one machine: a free one)")
@@ -86,18 +90,24 @@ def _run_parser(commands: Any) -> None:
     run.add_argument("-m", "--module", action="store_true", help="the script is a module to run, as python -m")
     run.add_argument("script", help="the script (or module) each worker runs")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
+    return run  # type: ignore[no-any-return]
 
 
 def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from ._launching.agent import Job, run_job
+    from ._launching.agent import Job, UsageError, run_job
 
+    if args.standalone and (args.nnodes != 1 or args.master_port):
+        parser.error("--standalone is a job of this machine alone, on a free port: drop --nnodes and --master-port")
     command = ("-m", args.script) if args.module else (args.script,)
     job = Job(command + tuple(args.script_args), args.nproc_per_node, args.nnodes, args.node_rank, args.master_addr,
               args.master_port, args.replacements, args.log_dir, not args.no_prefix, term_grace=args.term_grace)
     problem = job.problem() or ("" if args.module or os.path.exists(args.script) else f"no script {args.script!r}")
     if problem:
         parser.error(problem)
-    return run_job(job)
+    try:
+        return run_job(job)
+    except UsageError as e:
+        parser.error(str(e))
 
 
 def _bench_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

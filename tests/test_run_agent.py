@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import select
 import signal
+import socket
 import textwrap
 import time
 from pathlib import Path
@@ -321,3 +322,30 @@ def test_a_failed_worker_is_summed_up_by_what_it_raised_or_by_its_signal(tmp_pat
     out = cli("run", _script(tmp_path, source), timeout=120)
     assert out.returncode == 1, out.stderr
     assert out.stderr.endswith(summary) and "the job failed: rank 0 (pid " in out.stderr, out.stderr
+
+
+def test_a_port_another_process_holds_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        err = usage_error(["run", "--master-port", str(port), _script(tmp_path, PLAIN_TORCH)], capsys)
+    assert f"--master-port {port}: another process listens on it" in err, err
+    assert "usage: python -m distcomm run" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("args", [("--log-dir", "{file}"), ("--standalone", "--nnodes", "2"), ("--bogus",)])
+def test_bad_run_arguments_get_runs_own_usage(tmp_path: Path, args: tuple[str, ...],
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    file = tmp_path / "a-file"
+    file.write_text("")
+    err = usage_error(["run", *(a.format(file=file) for a in args), _script(tmp_path, PLAIN_TORCH)], capsys)
+    assert err.startswith("usage: python -m distcomm run ") and "Traceback" not in err, err
+    said = err.strip().splitlines()[-1]
+    assert said.startswith("python -m distcomm run: error: ") and args[0] in said, err
+
+
+def test_standalone_is_one_machine_on_a_free_port(tmp_path: Path) -> None:
+    out = cli("run", "--standalone", "--nproc-per-node", "2", _script(tmp_path, PLAIN_TORCH), timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "[rank1]: rank 1 of 2: [1.0, 1.0]" in out.stdout, out.stdout

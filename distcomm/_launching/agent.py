@@ -28,13 +28,14 @@ from typing import Any
 
 import torch
 
+from .._errors import CommunicatorStateError
 from .._trust.key import KEY_FILE_VAR, KEY_VAR, job_key, key_given, new_key
 from .ports import free_port
 from .rank_output import Tail, log_name, pass_through
 from .rendezvous import serve_store
 from .supervise import JobStore, how_it_ended, saying, wait_elastic
 
-__all__ = ["Job", "run_job"]
+__all__ = ["Job", "UsageError", "run_job"]
 
 _GRACE = 2.0  # seconds the other workers get once one failed, before they are ended (as launch())
 _say = saying("distcomm run")
@@ -84,6 +85,11 @@ class Job:
                     f"give every machine's agent the same one ({KEY_VAR}, 16 or more characters, or {KEY_FILE_VAR}); "
                     f"a job on one machine makes its own")
         return ""
+
+
+class UsageError(ValueError):
+    """What the command line was given can't work (a port another process holds, a log folder that
+    is a file), found as the agent starts, before any worker: said as a usage error."""
 
 
 class _Worker:
@@ -176,21 +182,33 @@ def run_job(job: Job) -> int:
     serves it, serves it until then (``_AgentBeat``)."""
     if job.master_port == 0:
         job = dataclasses.replace(job, master_port=free_port())
-    if job.log_dir is not None:
-        os.makedirs(job.log_dir, exist_ok=True)
+    _make_log_dir(job.log_dir)
+    url = f"tcp://{job.master_addr}:{job.master_port}"
+    try:
+        store = serve_store(url, job.world, job.timeout) if job.node_rank == 0 else None
+    except CommunicatorStateError:
+        raise UsageError(f"--master-port {job.master_port}: another process listens on it; give every machine's "
+                         f"agent a free port") from None
     beat = _AgentBeat(job) if job.node_rank > 0 else None
     code = 1
     try:
-        code = _run_workers(job)
+        code = _run_workers(job, store, url)
         return code
     finally:
         if beat is not None:
             beat.end(code)
 
 
-def _run_workers(job: Job) -> int:
-    url = f"tcp://{job.master_addr}:{job.master_port}"
-    store = serve_store(url, job.world, job.timeout) if job.node_rank == 0 else None
+def _make_log_dir(path: str | None) -> None:
+    if path is None:
+        return
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--log-dir {path}: {e.strerror.lower() if e.strerror else e}") from None
+
+
+def _run_workers(job: Job, store: Any, url: str) -> int:
     lock = threading.Lock()
     first = job.node_rank * job.nproc_per_node
     attempts = [0] * job.nproc_per_node
