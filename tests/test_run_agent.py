@@ -206,7 +206,7 @@ SURVIVES_RANK_0 = """
             if not distcomm.is_rank_loss(e):
                 raise
             comm = comm.shrink()
-    print(f"done: members {list(comm.membership.job_ranks)}", flush=True)
+    print(f"done: members {list(comm.membership.job_ranks)}, launcher {comm.launcher}", flush=True)
     comm.close()
 """
 
@@ -349,3 +349,11 @@ def test_standalone_is_one_machine_on_a_free_port(tmp_path: Path) -> None:
     out = cli("run", "--standalone", "--nproc-per-node", "2", _script(tmp_path, PLAIN_TORCH), timeout=120)
     assert out.returncode == 0, out.stderr
     assert "[rank1]: rank 1 of 2: [1.0, 1.0]" in out.stdout, out.stdout
+
+
+def test_the_summary_counts_the_workers_that_finished_and_those_lost(tmp_path: Path) -> None:
+    out = cli("run", "--nproc-per-node", "3", _script(tmp_path, SURVIVES_RANK_0), timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("done: members [1, 2], launcher distcomm run") == 2, out.stdout
+    assert "distcomm run: the job finished: 2 of 3 workers here finished, 1 lost: rank 0 (pid " in out.stderr, \
+        out.stderr

@@ -30,6 +30,7 @@ import torch
 
 from .._errors import CommunicatorStateError
 from .._trust.key import KEY_FILE_VAR, KEY_VAR, job_key, key_given, new_key
+from .launchers import LAUNCHER_VAR, RUN_AGENT
 from .ports import free_port
 from .rank_output import Tail, log_name, pass_through
 from .rendezvous import serve_store
@@ -101,7 +102,7 @@ class _Worker:
                                                     encoding="utf-8", errors="replace")
         self._popen = subprocess.Popen([sys.executable, *job.command], env=env, stdout=subprocess.PIPE,
                                        stderr=subprocess.PIPE, preexec_fn=_die_with_the_agent)
-        self.pid = self._popen.pid
+        self.pid, self.rank = self._popen.pid, rank
         self.sentinel = os.pidfd_open(self.pid)  # readable once the process ends: waited on with the others
         tag = f"[rank{rank}]: " if job.prefix else ""
         self.stderr_tail = Tail()  # (a traceback's end: what it raised)
@@ -167,7 +168,7 @@ def worker_env(job: Job, local_rank: int, run_id: str, key: str | None) -> dict[
            "GROUP_WORLD_SIZE": str(job.nnodes), "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(job.world),
            "ROLE_NAME": "default", "MASTER_ADDR": job.master_addr, "MASTER_PORT": str(job.master_port),
            "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
-           "TORCHELASTIC_USE_AGENT_STORE": "True", "PYTHONUNBUFFERED": "1"}
+           "TORCHELASTIC_USE_AGENT_STORE": "True", "PYTHONUNBUFFERED": "1", LAUNCHER_VAR: RUN_AGENT}
     if job.nproc_per_node > 1:
         env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: n processes sharing the cores
     if key is not None:
@@ -253,15 +254,17 @@ def _run_workers(job: Job, store: Any, url: str) -> int:
 def _verdict(started: Sequence[_Worker], others: dict[int, int | None]) -> int:
     """Said and returned: 0 where the job finished (here, or on another machine where every worker
     here was lost), 1 where every worker here was lost and no other machine finished."""
+    last = {w.rank: w for w in started}  # (each rank's last process: a replacement where one was started)
+    finished = sum(w.exitcode == 0 for w in last.values())
     lost = [w for w in started if (w.exitcode or 0) < 0]
-    if len(lost) == len(started) and 0 not in others.values():
-        _say("the job failed: every worker here was lost")
+    told = "".join(f", rank {w.rank} (pid {w.pid}, {how_it_ended(w.exitcode or 0)}"
+                   f"{'' if last[w.rank] is w else '; started again'})" for w in lost).removeprefix(", ")
+    if not finished and 0 not in others.values():
+        _say(f"the job failed: every worker here was lost: {told}")
         return 1
-    where = " on the other machines; every worker here was lost" if len(lost) == len(started) else \
-        f": {len(started) - len(lost)} worker(s) here"
-    _say(f"the job finished{where}" +
-         (f"; lost on the way: {', '.join(f'pid {w.pid} ({how_it_ended(w.exitcode or 0)})' for w in lost)}"
-          if lost else ""))
+    where = " on the other machines" if not finished else ""
+    _say(f"the job finished{where}: {finished} of {len(last)} workers here finished" +
+         (f", {len(lost)} lost: {told}" if lost else ""))
     return 0
 
 

@@ -16,7 +16,7 @@ from .._errors import CommunicatorStateError
 from .._local import LocalCommunicator
 from .._torch import GlooCommunicator, NcclCommunicator
 from .._wire.memory import seconds as _seconds
-from .launchers import LaunchEnv, detect
+from .launchers import TORCHRUN_LIKE, LaunchEnv, detect
 from .rendezvous import parse_url, unreachable_here
 from .start import start_from, url_host
 
@@ -89,9 +89,9 @@ def machines_under(env: LaunchEnv, per_machine: int, num_machines: int, machine_
             f"launch() was asked for {per_machine} processes per machine, but {saw}: start {per_machine} "
             f"per machine with the launcher (torchrun --nproc-per-node {per_machine}, srun --ntasks-per-node "
             f"{per_machine}, mpirun --npernode {per_machine}), or one per machine and let launch() start them")
-    if env.launcher == "torchrun":  # its agent holds MASTER_PORT; torchrun starts processes itself
+    if env.launcher in TORCHRUN_LIKE:  # its agent holds MASTER_PORT, and starts processes itself
         raise ValueError(f"launch() was asked for {per_machine} processes per machine, but {saw}: "
-                         f"run torchrun --nproc-per-node {per_machine} instead")
+                         f"run {env.launcher} --nproc-per-node {per_machine} instead")
     if dist_url in (None, "auto") or num_machines == 1:
         if env.master_addr is None or env.master_port is None:
             raise ValueError(f"launch() can't start this machine's processes: {env.address_problem}")

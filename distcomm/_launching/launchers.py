@@ -54,8 +54,8 @@ def _launched(env: Mapping[str, str]) -> bool:
 class LaunchEnv:
     """What the launcher that started this process says about it.
 
-    ``launcher`` is "torchrun", "slurm", "openmpi", "mpich", "mvapich", "pals", "lsf", "kubeflow", "env" (RANK and
-    WORLD_SIZE set by hand or by a job controller) or "python" (no launcher: a world of one).
+    ``launcher`` is "torchrun", "distcomm run", "slurm", "openmpi", "mpich", "mvapich", "pals", "lsf", "kubeflow",
+    "env" (RANK and WORLD_SIZE set by hand or by a job controller) or "python" (no launcher: a world of one).
     ``local_size``, ``node_rank`` and ``num_nodes`` are None where the launcher doesn't say (MPI
     names no node; RANK / LOCAL_RANK without a local size). ``master_addr`` / ``master_port`` are
     None where the launcher can't name them; ``address_problem`` then says what to set (a world of
@@ -163,13 +163,18 @@ def _local_machine(local_size: int, world: int, launcher: str, hint: str) -> tup
                   f"set MASTER_ADDR to the first machine's address for every rank ({hint})")
 
 
+LAUNCHER_VAR, RUN_AGENT = "DISTCOMM_LAUNCHER", "distcomm run"  # what ``python -m distcomm run`` tells its workers
+TORCHRUN_LIKE = frozenset({"torchrun", RUN_AGENT})  # launchers with torchrun's variables and agent store
+
+
 def _torchrun(env: Mapping[str, str]) -> LaunchEnv | None:
     if "TORCHELASTIC_RUN_ID" not in env:
         return None
     world = _int(env, "WORLD_SIZE")
     restart = _int(env, "TORCHELASTIC_RESTART_COUNT", 0)
     # the agent hosts the store unless its rendezvous doesn't share it (etcd, custom handlers)
-    return LaunchEnv("torchrun", _int(env, "RANK"), world, _int(env, "LOCAL_RANK"),
+    launcher = RUN_AGENT if env.get(LAUNCHER_VAR) == RUN_AGENT else "torchrun"  # (the same variables)
+    return LaunchEnv(launcher, _int(env, "RANK"), world, _int(env, "LOCAL_RANK"),
                      _int(env, "LOCAL_WORLD_SIZE", world), _int(env, "GROUP_RANK", 0),
                      _int(env, "GROUP_WORLD_SIZE", 1), env.get("MASTER_ADDR"),
                      _int(env, "MASTER_PORT"), restart,
@@ -416,7 +421,7 @@ def _kubeflow(env: Mapping[str, str]) -> LaunchEnv | None:
 
 def _with_explicit(found: LaunchEnv, env: Mapping[str, str]) -> LaunchEnv:
     """MASTER_ADDR / MASTER_PORT win over the launcher's; RANK / WORLD_SIZE must agree with it."""
-    if found.launcher != "torchrun":  # torchrun's own RANK/WORLD_SIZE are what it read
+    if found.launcher not in TORCHRUN_LIKE:  # torchrun's own RANK/WORLD_SIZE are what it read
         for name, mine in (("WORLD_SIZE", found.world_size), ("RANK", found.rank)):
             if name in env and _int(env, name) != mine:
                 raise ValueError(f"{name}={env[name]} contradicts {found.launcher}'s {mine} "

@@ -228,8 +228,8 @@ def cast_data_device(data: Any, device: torch.device, out: Any = None) -> Any:
 
 
 # distcomm's launcher names as mmengine's
-_MMENGINE_LAUNCHERS = {"torchrun": "pytorch", "env": "pytorch", "slurm": "slurm", "openmpi": "mpi", "mpich": "mpi",
-                       "mvapich": "mpi", "python": "none"}
+_MMENGINE_LAUNCHERS = {"torchrun": "pytorch", "distcomm run": "pytorch", "env": "pytorch", "slurm": "slurm",
+                       "openmpi": "mpi", "mpich": "mpi", "mvapich": "mpi", "python": "none"}
 
 
 def infer_launcher() -> str:
