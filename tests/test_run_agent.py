@@ -5,6 +5,7 @@ workers fresh interpreters that it starts."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -357,3 +358,50 @@ def test_the_summary_counts_the_workers_that_finished_and_those_lost(tmp_path: P
     assert out.stdout.count("done: members [1, 2], launcher distcomm run") == 2, out.stdout
     assert "distcomm run: the job finished: 2 of 3 workers here finished, 1 lost: rank 0 (pid " in out.stderr, \
         out.stderr
+
+
+IN_A_SESSION = """
+    import os, subprocess, sys, time
+    from pathlib import Path
+    here, rank = Path(sys.argv[1]), os.environ["RANK"]
+    child = subprocess.Popen(["sleep", "300"])  # (in its process group: ended with it)
+    (here / f"{rank}.pids").write_text(f"{os.getpid()} {child.pid} {os.getsid(0)} {os.getpgid(0)}")
+    try:
+        while True:
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        (here / f"{rank}.interrupted").write_text("")
+        raise
+"""
+
+
+def test_each_worker_runs_in_a_session_of_its_own_and_ctrl_c_reaches_it(tmp_path: Path) -> None:
+    """As torchrun starts them; a Ctrl-C at the terminal reaches the agent alone then, and the agent
+    passes it on to each worker's process group (the worker and what it started)."""
+    from .test_cli import _alive
+
+    agent = _agent("--nproc-per-node", "2", _script(tmp_path, IN_A_SESSION), str(tmp_path))
+    pids: list[list[int]] = []
+    try:
+        for r in (0, 1):
+            _wait_for(tmp_path / f"{r}.pids", agent)
+        pids = [[int(n) for n in (tmp_path / f"{r}.pids").read_text().split()] for r in (0, 1)]
+        for pid, _, session, group in pids:
+            assert session == pid == group != os.getsid(agent.pid), (pid, session, group)
+        agent.send_signal(signal.SIGINT)
+        code, _, err = _ended(agent)
+        assert code == 130, err
+        assert all((tmp_path / f"{r}.interrupted").exists() for r in (0, 1)), err
+        deadline = time.monotonic() + 30
+        while any(_alive(p) for pid in pids for p in pid[:2]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(p) for pid in pids for p in pid[:2]), pids
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+        for pid in pids:  # (what a failed test left: the workers' children outlive the agent)
+            for p in pid[:2]:
+                with contextlib.suppress(OSError):
+                    if b"sleep" in Path(f"/proc/{p}/cmdline").read_bytes() or b"job.py" in \
+                            Path(f"/proc/{p}/cmdline").read_bytes():
+                        os.kill(p, signal.SIGKILL)

@@ -100,8 +100,10 @@ class _Worker:
     def __init__(self, job: Job, rank: int, attempt: int, env: dict[str, str], lock: threading.Lock) -> None:
         log = None if job.log_dir is None else open(os.path.join(job.log_dir, log_name(rank, attempt)), "w",
                                                     encoding="utf-8", errors="replace")
+        # a session of its own, as torchrun starts one: the kernel's autogroup then schedules each worker
+        # apart from the rest of the terminal's, and its process group holds what it starts (ended with it)
         self._popen = subprocess.Popen([sys.executable, *job.command], env=env, stdout=subprocess.PIPE,
-                                       stderr=subprocess.PIPE, preexec_fn=_die_with_the_agent)
+                                       stderr=subprocess.PIPE, preexec_fn=_die_with_the_agent, start_new_session=True)
         self.pid, self.rank = self._popen.pid, rank
         self.sentinel = os.pidfd_open(self.pid)  # readable once the process ends: waited on with the others
         tag = f"[rank{rank}]: " if job.prefix else ""
@@ -124,9 +126,12 @@ class _Worker:
         return self._popen.poll() is None
 
     def signal(self, signum: int) -> None:
-        """Send ``signum`` to the worker, while it runs."""
+        """Send ``signum`` to the worker's process group (it and what it started), while it runs."""
         if self.is_alive():
-            self._popen.send_signal(signum)
+            try:
+                os.killpg(self.pid, signum)
+            except ProcessLookupError:  # (it ended meanwhile)
+                pass
 
     def terminate(self) -> None:
         self.signal(signal.SIGTERM)
@@ -222,9 +227,9 @@ def _run_workers(job: Job, store: Any, url: str) -> int:
         started.append(worker)
         return worker
 
-    workers = [start(i) for i in range(job.nproc_per_node)]
-    previous = signal.signal(signal.SIGTERM, _as_interrupt)
+    previous = {signum: signal.signal(signum, _as_interrupt) for signum in _PASSED_ON}
     try:
+        workers = [start(i) for i in range(job.nproc_per_node)]
         view = JobStore(store, url, key_given(made))
         def fails(i: int, code: int) -> bool:
             replacements_left = job.replacements - (sum(attempts) - job.nproc_per_node)
@@ -238,13 +243,14 @@ def _run_workers(job: Job, store: Any, url: str) -> int:
         others = _serve_until_the_others_end(store, job.nnodes) if store is not None and job.nnodes > 1 else {}
         return _verdict(started, others)
     except KeyboardInterrupt as e:
-        signum = signal.SIGTERM if isinstance(e, _Terminated) else signal.SIGINT
+        signum = e.signum if isinstance(e, _Signalled) else signal.SIGINT
         _say(f"{signal.Signals(signum).name}: passed on to the workers, who have {job.term_grace:g} s to end "
              f"before SIGKILL")
         _stop(started, signum, job.term_grace)
         return 128 + signum
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
         _stop(started, signal.SIGTERM, job.term_grace)
         for w in started:
             w.finish()
@@ -364,12 +370,22 @@ def _fails_the_job(code: int, job: JobStore, replaceable: bool) -> bool:
     return not (replaceable and not job.anyone_met())
 
 
+# Signals that stop the agent, passed on to the workers (in sessions of their own, a terminal's
+# Ctrl-C or hang-up no longer reaches them): SIGINT raises KeyboardInterrupt as it is.
+_PASSED_ON = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+
+
 def _as_interrupt(signum: int, frame: Any) -> None:
-    raise _Terminated
+    raise _Signalled(signum)
 
 
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM to the agent: it ends the workers and exits 143, as a process ended by SIGTERM would say."""
+class _Signalled(KeyboardInterrupt):
+    """A signal that stops the agent: it passes it on to the workers and exits 128 + its number,
+    as a process ended by it would say."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
 
 
 _TAG = re.compile(r"^\[rank\d+\]: ?")  # (a worker that tags its own lines)
