@@ -145,10 +145,16 @@ class _Worker:
         except subprocess.TimeoutExpired:
             pass
 
+    def drain(self) -> None:
+        """After it ended: its output copied to the end (what sums it up is in it; the summary comes
+        after it). Bounded: a process it started may hold its pipes open."""
+        deadline = time.monotonic() + 5.0
+        for t in self._copies:
+            t.join(max(deadline - time.monotonic(), 0.0))
+
     def finish(self) -> None:
         """After it ended: its output copied to the end, its log and its descriptor closed."""
-        for t in self._copies:
-            t.join(5.0)
+        self.drain()
         if self._log is not None:
             self._log.close()
         os.close(self.sentinel)
@@ -238,9 +244,11 @@ def _run_workers(job: Job, store: Any, url: str) -> int:
         failed = wait_elastic(workers, _GRACE, fails, first, job.replacements, start, view, _say)
         if failed:
             _stop(workers, signal.SIGTERM, job.term_grace)
+            _drain(started)
             _say(_failure_line(failed, workers, first))
             return 1
         others = _serve_until_the_others_end(store, job.nnodes) if store is not None and job.nnodes > 1 else {}
+        _drain(started)
         return _verdict(started, others)
     except KeyboardInterrupt as e:
         signum = e.signum if isinstance(e, _Signalled) else signal.SIGINT
@@ -255,6 +263,11 @@ def _run_workers(job: Job, store: Any, url: str) -> int:
         for w in started:
             w.finish()
         store = None
+
+
+def _drain(workers: Sequence[_Worker]) -> None:
+    for w in workers:
+        w.drain()
 
 
 def _verdict(started: Sequence[_Worker], others: dict[int, int | None]) -> int:
