@@ -216,8 +216,9 @@ class Communicator(ObjectConveniences, PointToPoint, SubCommunicators, ElasticMe
 
     @property
     def launcher(self) -> str | None:
-        """What started this process, as ``from_env`` or ``launch`` found it: "torchrun", "slurm",
-        "openmpi", "mpich", "mvapich", "env" (RANK / WORLD_SIZE set by hand or a job controller),
+        """What started this process, as ``from_env`` or ``launch`` found it: "torchrun", "distcomm run",
+        "slurm", "openmpi", "mpich", "mvapich", "pals", "lsf", "kubeflow", "env" (RANK / WORLD_SIZE set
+        by hand or a job controller),
         "launch" (distcomm.launch started it) or "python" (none: a world of one); None where the
         communicator adopted a group or was made directly."""
         return self._launcher

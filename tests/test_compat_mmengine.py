@@ -8,6 +8,7 @@ from __future__ import annotations
 import inspect
 import os
 import tempfile
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -388,3 +389,11 @@ def test_install_reaches_modules_imported_afterwards() -> None:
         "assert mmengine.dist.init_dist is dist.init_dist\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "distcomm run", "slurm", "openmpi", "mpich", "mvapich", "pals",
+                                      "lsf", "kubeflow", "env", "python"])
+def test_every_launcher_distcomm_detects_has_mmengines_name(monkeypatch: pytest.MonkeyPatch, launcher: str) -> None:
+    """mmengine knows four launchers; each of distcomm's is one of them (PBS's and LSF's raised KeyError)."""
+    monkeypatch.setattr(compat, "detect", lambda: types.SimpleNamespace(launcher=launcher))
+    assert compat.infer_launcher() in ("pytorch", "slurm", "mpi", "none")

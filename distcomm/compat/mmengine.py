@@ -228,13 +228,15 @@ def cast_data_device(data: Any, device: torch.device, out: Any = None) -> Any:
 
 
 # distcomm's launcher names as mmengine's
-_MMENGINE_LAUNCHERS = {"torchrun": "pytorch", "distcomm run": "pytorch", "env": "pytorch", "slurm": "slurm",
-                       "openmpi": "mpi", "mpich": "mpi", "mvapich": "mpi", "python": "none"}
+_MMENGINE_LAUNCHERS = {"torchrun": "pytorch", "distcomm run": "pytorch", "env": "pytorch", "kubeflow": "pytorch",
+                       "slurm": "slurm", "openmpi": "mpi", "mpich": "mpi", "mvapich": "mpi", "pals": "mpi",
+                       "lsf": "mpi", "python": "none"}
 
 
 def infer_launcher() -> str:
-    """Who started this process: "pytorch" (torchrun, or RANK / WORLD_SIZE set), "slurm" (srun),
-    "mpi" (Open MPI, MPICH, Intel MPI, MVAPICH) or "none", as ``distcomm.from_env`` finds it."""
+    """Who started this process: "pytorch" (torchrun, ``distcomm run``, a Kubeflow PyTorchJob, or
+    RANK / WORLD_SIZE set), "slurm" (srun), "mpi" (Open MPI, MPICH, Intel MPI, MVAPICH, PBS's
+    mpiexec, LSF's jsrun) or "none", as ``distcomm.from_env`` finds it."""
     return _MMENGINE_LAUNCHERS[detect().launcher]
 
 
