@@ -193,7 +193,7 @@ def test_term_grace_must_be_a_number_of_seconds(tmp_path: Path, capsys: pytest.C
 
 
 SURVIVES_RANK_0 = """
-    import os, signal, time, distcomm
+    import datetime, os, signal, sys, time, torch, distcomm
     comm = distcomm.from_env()
     step = 0
     while step < 8:
@@ -207,21 +207,29 @@ SURVIVES_RANK_0 = """
             if not distcomm.is_rank_loss(e):
                 raise
             comm = comm.shrink()
+    if sys.argv[1:] == ["forge"]:  # as an outsider who knows the store's port: "machine 1's agent ended"
+        outsider = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                              is_master=False, timeout=datetime.timedelta(seconds=10))
+        outsider.set("distcomm-run/agent/1/ended", "0")
+        time.sleep(3)  # (the first agent looks every second)
+        comm = comm.shrink()  # (needs the job's store)
     print(f"done: members {list(comm.membership.job_ranks)}, launcher {comm.launcher}", flush=True)
     comm.close()
 """
 
 
-def test_the_first_machines_agent_serves_the_store_until_the_others_end(tmp_path: Path) -> None:
+@pytest.mark.parametrize("outsider", [False, True])
+def test_the_first_machines_agent_serves_the_store_until_the_others_end(tmp_path: Path, outsider: bool) -> None:
     """Two machines, one worker each: the first machine's worker is lost, and its agent keeps the
-    job's store served until the other machine's worker is done (its shrink() needs it)."""
+    job's store served until the other machine's worker is done (its shrink() needs it); an
+    outsider's word that the other agent ended doesn't end it early."""
     import distcomm
 
     port = distcomm.free_port()
     env = {"DISTCOMM_JOB_KEY": f"the key of the two-machine job on port {port}"}
     script = _script(tmp_path, SURVIVES_RANK_0)
-    agents = [_agent("--nnodes", "2", "--node-rank", str(k), "--master-port", str(port), script, env=env)
-              for k in (0, 1)]
+    agents = [_agent("--nnodes", "2", "--node-rank", str(k), "--master-port", str(port), script,
+                     *(["forge"] if outsider else []), env=env) for k in (0, 1)]
     (code_0, _, err_0), (code_1, out_1, err_1) = [_ended(a) for a in agents]
     assert "done: members [1]" in out_1 and code_1 == 0, err_1[-3000:]
     assert code_0 == 0, err_0[-3000:]

@@ -23,13 +23,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from .._errors import CommunicatorStateError
 from .._trust.key import KEY_FILE_VAR, KEY_VAR, job_key, key_given, new_key
+from .._trust.records import Records
 from .launchers import LAUNCHER_VAR, RUN_AGENT
 from .ports import free_port
 from .rank_output import Tail, log_name, pass_through
@@ -301,49 +302,59 @@ def _ended_key(node: int) -> str:
 
 class _AgentBeat:
     """The beat of an agent on a machine other than the first, in the job's store, and its exit
-    status once it ends: the first machine's agent serves the store until every other one ended."""
+    status once it ends: the first machine's agent serves the store until every other one ended.
+    Both are records signed with the job's key: a process that reaches the store's port can't end
+    the job's store early, nor keep it served for ever."""
 
     def __init__(self, job: Job) -> None:
         self._host, self._port, self._node = job.master_addr, job.master_port, job.node_rank
-        self._store: Any = None
+        self._key = job_key()
+        self._records: Records | None = None
+        self._beats = 0
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="distcomm-run-beat", daemon=True)
         self._thread.start()
 
     def _beat(self) -> None:
         while not self._stopped.wait(_BEAT_SECONDS):
-            self._tell(lambda store: store.add(_beat_key(self._node), 1))
+            self._beats += 1
+            self._tell(_beat_key(self._node), str(self._beats))
 
     def end(self, code: int) -> None:
         """Say this agent ended, with ``code``."""
         self._stopped.set()
         self._thread.join(10.0)
-        self._tell(lambda store: store.set(_ended_key(self._node), str(code)))
+        self._tell(_ended_key(self._node), str(code))
 
-    def _tell(self, write: Callable[[Any], object]) -> None:
-        """``write(store)``, connected first where it isn't (the first machine's agent may start later)."""
+    def _tell(self, name: str, value: str) -> None:
+        """Write the record, connected first where it isn't (the first machine's agent may start later)."""
         try:
-            if self._store is None:
-                self._store = torch._C._distributed_c10d.TCPStore(self._host, self._port, is_master=False,
-                                                         timeout=datetime.timedelta(seconds=5))
-            write(self._store)
+            if self._records is None:
+                store = torch._C._distributed_c10d.TCPStore(self._host, self._port, is_master=False,
+                                                            timeout=datetime.timedelta(seconds=5))
+                self._records = Records(store, self._key, "")
+            self._records.set(name, value)
         except Exception:  # not reachable now: a later beat tries again
-            self._store = None
+            self._records = None
 
 
 def _serve_until_the_others_end(store: Any, nnodes: int) -> dict[int, int | None]:
     """Keep serving the job's store, which the other machines' workers use, until every other agent
-    ended or fell silent; their exit statuses (None: fell silent)."""
+    ended or fell silent; their exit statuses (None: fell silent). Only records signed with the
+    job's key count (``_AgentBeat``)."""
     _say("serving the job's store until the other machines' agents end")
+    records = Records(store, job_key(), "")
     heard = {k: (-1, time.monotonic()) for k in range(1, nnodes)}
     ended: dict[int, int | None] = {}
     while len(ended) < nnodes - 1:
         for k in heard.keys() - ended.keys():
-            if store.check([_ended_key(k)]):
-                ended[k] = int(store.get(_ended_key(k)).decode() or 1)
+            said = records.read(_ended_key(k))
+            if said is not None:
+                ended[k] = int(said.decode()) if said.decode().lstrip("-").isdigit() else 1
                 continue
-            count = int(store.add(_beat_key(k), 0))
-            if count != heard[k][0]:
+            beat = records.read(_beat_key(k)) or b"0"
+            count = int(beat.decode()) if beat.decode().isdigit() else 0
+            if count > heard[k][0]:
                 heard[k] = (count, time.monotonic())
             elif time.monotonic() - heard[k][1] > _SILENT_SECONDS:
                 _say(f"the agent of machine {k} fell silent {_SILENT_SECONDS:g} s ago: taken for ended")
