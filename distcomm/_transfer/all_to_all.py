@@ -14,7 +14,7 @@ from .._calls import CallSpec, Op
 from .._errors import FrameError
 from .._wire import frame as _frame
 from .._wire.memory import GC_PAUSE_BYTES, NOTHING, GCPause, as_view
-from .._wire.serialization import failure_text, serializer_for
+from .._wire.serialization import dumps_for, failure_text, serializer_for
 from .pipeline import load
 from .routes import check_receivable, over_max_bytes
 
@@ -68,7 +68,7 @@ def _serialize(comm: Communicator, objs: Sequence[Any],
     if problem is not None:
         return [], [0] * world, _frame.INVALID, problem
     try:  # each object's segments, packed later straight into the one send buffer
-        segments = [[] if d == me else serializer_for(comm).dumps(o) for d, o in enumerate(objs)]
+        segments = [[] if d == me else dumps_for(comm, o) for d, o in enumerate(objs)]
     except Exception as e:  # reported on every rank
         sent = [None if d == me else o for d, o in enumerate(objs)]  # this rank's own entry stays here
         return [], [0] * world, _frame.SERIALIZE_FAILED, failure_text(serializer_for(comm), sent, e, "objs")

@@ -44,7 +44,7 @@ from .._errors import (
 from .._handles import Handle, as_caller
 from .._one_at_a_time import user_site
 from .._wire.memory import as_view, byte_tensor
-from .._wire.serialization import failure_text, serializer_for
+from .._wire.serialization import dumps_for, failure_text, serializer_for
 from .._wire.tensor_pickle import CUDA_TARGET
 from .routes.base import check_receivable
 from .transport import front_door
@@ -114,7 +114,7 @@ def _start(comm: Communicator, direction: str, peer: int, tag: int, timeout: flo
 def encode(comm: Communicator, obj: Any, what: str) -> list[memoryview]:
     """``obj`` as the parts of a message: header, sizes (more than one segment), non-empty segments."""
     try:
-        segs = [memoryview(s).cast("B") for s in serializer_for(comm).dumps(obj)]
+        segs = [memoryview(s).cast("B") for s in dumps_for(comm, obj)]
     except DistCommError:
         raise
     except Exception as e:

@@ -10,7 +10,7 @@ from ..._calls import CallSpec, Op
 from ..._errors import PayloadTooLargeError
 from ..._wire import frame as _frame
 from ..._wire.memory import PHYSICAL_MEMORY
-from ..._wire.serialization import failure_text, serializer_for
+from ..._wire.serialization import dumps_for, failure_text, serializer_for
 
 if TYPE_CHECKING:
     from ..._communicator import Communicator
@@ -113,7 +113,7 @@ class Route(abc.ABC):
     def serialize(self, comm: Communicator, root: int, obj: Any, rank: int) -> tuple[list[list[memoryview]], int, str]:
         """``rank``'s segments per part, plus a status and message when it can't take part."""
         try:
-            return [serializer_for(comm).dumps(obj)], _frame.OK, ""
+            return [dumps_for(comm, obj)], _frame.OK, ""
         except Exception as e:  # any failure of user objects' pickling is reported on every rank
             return [], _frame.SERIALIZE_FAILED, failure_text(serializer_for(comm), obj, e)
 

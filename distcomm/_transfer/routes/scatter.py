@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from ..._calls import CallSpec, Op
 from ..._errors import FrameError
 from ..._wire import frame as _frame
-from ..._wire.serialization import failure_text, serializer_for
+from ..._wire.serialization import dumps_for, failure_text, serializer_for
 from .base import Incoming, Outgoing, build_slot, over_max_bytes, status_outgoing
 from .direct import DirectRoute, move_direct
 
@@ -31,7 +31,7 @@ class ScatterRoute(DirectRoute):
         if rank != root:
             return [], _frame.OK, ""
         try:
-            return [[] if r == root else serializer_for(comm).dumps(o) for r, o in enumerate(obj)], _frame.OK, ""
+            return [[] if r == root else dumps_for(comm, o) for r, o in enumerate(obj)], _frame.OK, ""
         except Exception as e:  # reported on every rank
             return [], _frame.SERIALIZE_FAILED, failure_text(serializer_for(comm), list(obj), e, "objs")
 
