@@ -413,3 +413,29 @@ def test_each_worker_runs_in_a_session_of_its_own_and_ctrl_c_reaches_it(tmp_path
                     if b"sleep" in Path(f"/proc/{p}/cmdline").read_bytes() or b"job.py" in \
                             Path(f"/proc/{p}/cmdline").read_bytes():
                         os.kill(p, signal.SIGKILL)
+
+
+ALONE_KILLED_BEFORE_FROM_ENV = """
+    import os, signal, sys, time
+    from pathlib import Path
+    killed = Path(sys.argv[1]) / "killed"
+    if not killed.exists():
+        killed.write_text("")
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(3)  # (past the agent's grace for processes that wait to be let in)
+    import distcomm
+    comm = distcomm.from_env()
+    print(f"done: {comm.all_gather(comm.rank)}", flush=True)
+    comm.close()
+"""
+
+
+def test_a_worker_started_again_before_the_first_meeting_is_a_member_not_a_newcomer(tmp_path: Path) -> None:
+    """Every running process is one started again, and no member beats: the replacement of a worker
+    lost before anyone met is the job's own worker, not one that waits for an admit (it was ended
+    as 'never admitted', the job failed)."""
+    out = cli("run", "--nproc-per-node", "1", "--replacements", "1", _script(tmp_path, ALONE_KILLED_BEFORE_FROM_ENV),
+              str(tmp_path), timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "never admitted" not in out.stderr and "to be admitted" not in out.stderr, out.stderr
+    assert out.stdout.count("done: [0]") == 1, out.stdout

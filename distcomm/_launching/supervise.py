@@ -122,10 +122,14 @@ def wait_elastic(processes: list[Any], grace: float, raised: Callable[[int, int]
                 return wait_until_failure(processes, grace)
             if left > 0:
                 left -= 1
+                # Before anyone met, the others wait for it in the first meeting (it can't complete
+                # without it): it takes its place there, a member, not a newcomer to be let in.
+                first_meeting = not job.anyone_met()
                 processes[i] = start(i)
-                started_again.add(i)
+                if not first_meeting:
+                    started_again.add(i)
                 say(f"rank {first + i} (pid {p.pid}) was lost ({how_it_ended(code)}); started again as pid "
-                    f"{processes[i].pid}, to be admitted")
+                    f"{processes[i].pid}" + ("" if first_meeting else ", to be admitted"))
             else:
                 processes[i] = _Ended(p.pid)
                 say(f"rank {first + i} (pid {p.pid}) was lost ({how_it_ended(code)}); the others go on")
