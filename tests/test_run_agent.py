@@ -439,3 +439,41 @@ def test_a_worker_started_again_before_the_first_meeting_is_a_member_not_a_newco
     assert out.returncode == 0, out.stderr[-3000:]
     assert "never admitted" not in out.stderr and "to be admitted" not in out.stderr, out.stderr
     assert out.stdout.count("done: [0]") == 1, out.stdout
+
+
+LOSES_ONE_UNHEARD = """
+    import os, signal, sys, time
+    from pathlib import Path
+    import distcomm
+    print("started", flush=True)
+    comm = distcomm.from_env()
+    step = 0
+    while step < 30:
+        try:
+            if comm.membership.job_ranks[comm.rank] == 1 and step == 10:
+                os.kill(os.getpid(), signal.SIGKILL)
+            comm.all_gather(step)
+            step += 1
+            time.sleep(0.1)
+        except Exception as e:
+            if not distcomm.is_rank_loss(e):
+                raise
+            comm = comm.shrink()
+    Path(sys.argv[1], f"finished-{os.environ['RANK']}").write_text("")
+    comm.close()
+"""
+
+
+def test_the_agents_own_lines_to_a_reader_that_left_are_dropped_too(tmp_path: Path) -> None:
+    """``distcomm run train.py 2>&1 | head``: the agent's own lines (a worker lost, the summary)
+    are dropped as the workers' are; the job runs to its end and says it finished by its status."""
+    agent = _agent("--nproc-per-node", "2", _script(tmp_path, LOSES_ONE_UNHEARD), str(tmp_path))
+    try:
+        assert agent.stdout.readline().endswith(": started\n")
+        agent.stdout.close()
+        agent.stderr.close()
+        assert agent.wait(120) == 0
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+    assert (tmp_path / "finished-0").exists()

@@ -186,19 +186,22 @@ class _Tagged:
 
 
 def _write(out: TextIO, text: str, lock: threading.Lock) -> None:
-    """``text`` to ``out``; where its reader is gone, ``out`` is pointed at /dev/null, so that the
-    rest (and the interpreter's last flush) is dropped without an error."""
-    if not text:
-        return
-    with lock:
+    if text:
+        with lock:
+            write_or_drop(out, text)
+
+
+def write_or_drop(out: TextIO, text: str) -> None:
+    """``text`` to ``out``; where its reader is gone (``| head``), ``out`` is pointed at /dev/null,
+    so that the rest (and the interpreter's last flush) is dropped without an error."""
+    try:
+        out.write(text)
+        out.flush()
+    except (BrokenPipeError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
         try:
-            out.write(text)
-            out.flush()
-        except (BrokenPipeError, ValueError):
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            try:
-                os.dup2(devnull, out.fileno())
-            except (OSError, ValueError):  # (no descriptor: nothing will flush it at exit)
-                pass
-            finally:
-                os.close(devnull)
+            os.dup2(devnull, out.fileno())
+        except (OSError, ValueError):  # (no descriptor: nothing will flush it at exit)
+            pass
+        finally:
+            os.close(devnull)

@@ -23,6 +23,7 @@ import torch
 from .._elastic.liveness import machine
 from .._trust.key import JobKey
 from .._trust.records import Records
+from .rank_output import write_or_drop
 from .rendezvous import moving
 
 __all__ = ["JobStore", "how_it_ended", "saying", "wait_elastic", "wait_until_failure"]
@@ -187,5 +188,6 @@ def how_it_ended(code: int) -> str:
 
 
 def saying(who: str) -> Callable[[str], None]:
-    """Lines from the launcher ``who`` about its processes, on its standard error."""
-    return lambda line: print(f"{who}: {line}", file=sys.stderr, flush=True)
+    """Lines from the launcher ``who`` about its processes, on its standard error (dropped once
+    its reader left: the job runs on)."""
+    return lambda line: write_or_drop(sys.stderr, f"{who}: {line}\n")
