@@ -477,3 +477,102 @@ def test_the_agents_own_lines_to_a_reader_that_left_are_dropped_too(tmp_path: Pa
         if agent.poll() is None:
             agent.kill()
     assert (tmp_path / "finished-0").exists()
+
+
+def test_an_agent_under_nohup_outlives_a_hang_up(tmp_path: Path) -> None:
+    """A signal the agent was started with ignored (nohup's SIGHUP) stays ignored: it was passed on
+    to the workers, and logging out ended the job."""
+    script = _script(tmp_path, """
+        import time
+        print("working", flush=True)
+        time.sleep(3)
+        print("done", flush=True)
+    """)
+    nohup = _script(tmp_path, f"""
+        import runpy, signal, sys
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as nohup starts it
+        sys.argv = ["distcomm", "run", {script!r}]
+        runpy.run_module("distcomm", run_name="__main__")
+    """, name="nohup.py")
+    clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    agent = _forked.start([nohup], clean, ROOT)
+    try:
+        assert agent.stdout.readline().endswith("working\n")
+        agent.send_signal(signal.SIGHUP)
+        code, out, err = _ended(agent)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+    assert code == 0 and "done" in out, err
+
+
+def test_records_of_another_job_or_without_the_key_dont_end_the_stores_service() -> None:
+    """The first agent serves the job's store until the other agents say they ended, in records
+    signed with the job's key under the job's random name: one written without the key, or copied
+    from an earlier job of the same key, doesn't end it."""
+    import threading
+
+    import torch
+
+    from distcomm._launching import agent as run_agent
+    from distcomm._trust.key import JobKey
+    from distcomm._trust.records import Records
+
+    key = "the key of a job that ran before"
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DISTCOMM_JOB_KEY", key)
+        name = run_agent._named_job(store)
+        signed = Records(store, JobKey(key.encode()), "")
+        signed.set(run_agent._ended_key("0123456789abcdef", 1), "0")  # an earlier job's, replayed
+        store.set(run_agent._ended_key(name, 1), "0")  # an outsider's, unsigned
+        store.set(run_agent._beat_key(name, 1), b"\xff\xfe")  # (not even text)
+        got: list[dict[int, int | None]] = []
+        serving = threading.Thread(target=lambda: got.append(run_agent._serve_until_the_others_end(store, name, 2)))
+        with pytest.warns(RuntimeWarning, match="not written with the job's key"):
+            serving.start()
+            serving.join(3.0)
+            assert serving.is_alive() and not got  # still serving
+        signed.set(run_agent._ended_key(name, 1), "0")  # the other agent's own
+        serving.join(10.0)
+        assert got == [{1: 0}]
+
+
+def test_what_a_worker_started_is_ended_with_it(tmp_path: Path) -> None:
+    """A worker that ends at once on SIGTERM, leaving a child that ignores it: once the grace is
+    over the worker's process group is killed, not only the worker (the child lived on, its parent
+    gone, in a session no hang-up reaches)."""
+    script = _script(tmp_path, f"""
+        import subprocess, sys, time
+        child = subprocess.Popen([sys.executable, "-c", "import signal, sys, time; "
+                                  "signal.signal(signal.SIGTERM, signal.SIG_IGN); print(flush=True); time.sleep(120)"],
+                                 stdout=subprocess.PIPE)
+        child.stdout.readline()  # (it ignores SIGTERM from now on)
+        open({str(tmp_path / "child")!r}, "w").write(str(child.pid))
+        print("working", flush=True)
+        time.sleep(120)
+    """)
+    agent = _agent("--term-grace", "2", script)
+    try:
+        assert agent.stdout.readline().endswith("working\n")
+        agent.send_signal(signal.SIGTERM)
+        code, _, err = _ended(agent)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+    child = int((tmp_path / "child").read_text())
+    deadline = time.monotonic() + 10
+    while _running(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = _running(child)
+    if alive:
+        os.kill(child, signal.SIGKILL)
+    assert code == 143 and not alive, err
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` runs (not a zombie waiting for init to reap it)."""
+    try:
+        return not Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z")
+    except (OSError, IndexError):
+        return False

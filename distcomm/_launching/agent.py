@@ -12,18 +12,20 @@ it (``_fails_the_job``).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import datetime
 import math
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -138,7 +140,11 @@ class _Worker:
         self.signal(signal.SIGTERM)
 
     def kill(self) -> None:
-        self.signal(signal.SIGKILL)
+        """SIGKILL to the worker's process group, whether or not the worker itself still runs: what it
+        started lives on in its session, where no hang-up or death signal reaches (the group's id
+        isn't given to another process while any of its members lives)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
 
     def join(self, timeout: float | None = None) -> None:
         try:
@@ -234,7 +240,10 @@ def _run_workers(job: Job, store: Any, url: str) -> int:
         started.append(worker)
         return worker
 
-    previous = {signum: signal.signal(signum, _as_interrupt) for signum in _PASSED_ON}
+    # (a signal already ignored stays so: under nohup, a hang-up doesn't end the job)
+    previous = {signum: signal.signal(signum, _as_interrupt) for signum in _PASSED_ON
+                if signal.getsignal(signum) is not signal.SIG_IGN}
+    job_name = _named_job(store) if store is not None and job.nnodes > 1 else ""
     try:
         workers = [start(i) for i in range(job.nproc_per_node)]
         view = JobStore(store, url, key_given(made))
@@ -248,7 +257,7 @@ def _run_workers(job: Job, store: Any, url: str) -> int:
             _drain(started)
             _say(_failure_line(failed, workers, first))
             return 1
-        others = _serve_until_the_others_end(store, job.nnodes) if store is not None and job.nnodes > 1 else {}
+        others = _serve_until_the_others_end(store, job_name, job.nnodes) if job_name else {}
         _drain(started)
         return _verdict(started, others)
     except KeyboardInterrupt as e:
@@ -292,24 +301,30 @@ _BEAT_SECONDS = 1.0  # how often another machine's agent says it still runs
 _SILENT_SECONDS = 60.0  # an agent whose beat stood still this long is gone (its machine died, it was SIGKILLed)
 
 
-def _beat_key(node: int) -> str:
-    return f"distcomm-run/agent/{node}/beat"
+_JOB_RECORD = "distcomm-run/job"
+"""Where the first machine's agent says this job's name: a random one, so that the other agents'
+records of an earlier job (signed with the same key) can't be replayed into this one."""
 
 
-def _ended_key(node: int) -> str:
-    return f"distcomm-run/agent/{node}/ended"
+def _beat_key(job_name: str, node: int) -> str:
+    return f"distcomm-run/{job_name}/agent/{node}/beat"
+
+
+def _ended_key(job_name: str, node: int) -> str:
+    return f"distcomm-run/{job_name}/agent/{node}/ended"
 
 
 class _AgentBeat:
     """The beat of an agent on a machine other than the first, in the job's store, and its exit
     status once it ends: the first machine's agent serves the store until every other one ended.
-    Both are records signed with the job's key: a process that reaches the store's port can't end
-    the job's store early, nor keep it served for ever."""
+    Both are records signed with the job's key, under the job's random name: a process that
+    reaches the store's port can't forge them, nor replay an earlier job's."""
 
     def __init__(self, job: Job) -> None:
         self._host, self._port, self._node = job.master_addr, job.master_port, job.node_rank
         self._key = job_key()
         self._records: Records | None = None
+        self._job_name: str | None = None
         self._beats = 0
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="distcomm-run-beat", daemon=True)
@@ -318,42 +333,53 @@ class _AgentBeat:
     def _beat(self) -> None:
         while not self._stopped.wait(_BEAT_SECONDS):
             self._beats += 1
-            self._tell(_beat_key(self._node), str(self._beats))
+            self._tell(_beat_key, str(self._beats))
 
     def end(self, code: int) -> None:
         """Say this agent ended, with ``code``."""
         self._stopped.set()
         self._thread.join(10.0)
-        self._tell(_ended_key(self._node), str(code))
+        self._tell(_ended_key, str(code))
 
-    def _tell(self, name: str, value: str) -> None:
-        """Write the record, connected first where it isn't (the first machine's agent may start later)."""
+    def _tell(self, name: Callable[[str, int], str], value: str) -> None:
+        """Write the record ``name(job name, node)``, connected first where it isn't (the first
+        machine's agent may start later); nothing where it can't be now (a later beat tries again)."""
         try:
             if self._records is None:
                 store = torch._C._distributed_c10d.TCPStore(self._host, self._port, is_master=False,
                                                             timeout=datetime.timedelta(seconds=5))
                 self._records = Records(store, self._key, "")
-            self._records.set(name, value)
-        except Exception:  # not reachable now: a later beat tries again
+            if self._job_name is None:
+                said = self._records.read(_JOB_RECORD)
+                self._job_name = None if said is None else said.decode("ascii", "replace")
+            if self._job_name is not None:
+                self._records.set(name(self._job_name, self._node), value)
+        except Exception:
             self._records = None
 
 
-def _serve_until_the_others_end(store: Any, nnodes: int) -> dict[int, int | None]:
+def _named_job(store: Any) -> str:
+    """This job's random name, said in its store (by the first machine's agent)."""
+    name = secrets.token_hex(8)
+    Records(store, job_key(), "").set(_JOB_RECORD, name)
+    return name
+
+
+def _serve_until_the_others_end(store: Any, job_name: str, nnodes: int) -> dict[int, int | None]:
     """Keep serving the job's store, which the other machines' workers use, until every other agent
-    ended or fell silent; their exit statuses (None: fell silent). Only records signed with the
-    job's key count (``_AgentBeat``)."""
+    ended or fell silent; their exit statuses (None: fell silent). Only the records signed with the
+    job's key under its name count (``_AgentBeat``)."""
     _say("serving the job's store until the other machines' agents end")
     records = Records(store, job_key(), "")
     heard = {k: (-1, time.monotonic()) for k in range(1, nnodes)}
     ended: dict[int, int | None] = {}
     while len(ended) < nnodes - 1:
         for k in heard.keys() - ended.keys():
-            said = records.read(_ended_key(k))
+            said = records.read(_ended_key(job_name, k))
             if said is not None:
-                ended[k] = int(said.decode()) if said.decode().lstrip("-").isdigit() else 1
+                ended[k] = _number(said, default=1)
                 continue
-            beat = records.read(_beat_key(k)) or b"0"
-            count = int(beat.decode()) if beat.decode().isdigit() else 0
+            count = _number(records.read(_beat_key(job_name, k)) or b"0", default=0)
             if count > heard[k][0]:
                 heard[k] = (count, time.monotonic())
             elif time.monotonic() - heard[k][1] > _SILENT_SECONDS:
@@ -361,6 +387,11 @@ def _serve_until_the_others_end(store: Any, nnodes: int) -> dict[int, int | None
                 ended[k] = None
         time.sleep(_BEAT_SECONDS)
     return ended
+
+
+def _number(said: bytes, default: int) -> int:
+    text = said.decode("ascii", "replace")
+    return int(text) if text.lstrip("-").isdigit() else default
 
 
 def _stop(workers: Sequence[_Worker], signum: int, grace: float) -> None:
