@@ -4,10 +4,15 @@ A state (a ``state_dict()``, or a dict of the user's) is a tree of mappings, lis
 tensors, arrays and plain values at its leaves. Its entries are every node's path (the keys on the
 way, with their types: ``{0: t}`` is not ``{"0": t}``, nor ``{"a": {"b": 1}}`` ``{"a.b": 1}``) and
 a digest of what is there: a leaf's value, or a container's kind, so that ``{"a": {}}`` is not
-``{"a": []}`` and an empty list is not the same as no key. Nothing in a digest follows the process:
-sets are digested in an order of their own, not in the interpreter's hash order, and every kind
-of tensor (sparse, quantized, conjugate or negative views, meta, a lazy module's uninitialized
-parameters) is digested by what it holds, without raising.
+``{"a": []}`` and an empty list is not the same as no key. A mapping's order is not state (equal
+dicts are equal whatever order their keys came in); a list's is, by its indices.
+
+What follows the process is kept out: sets (as values or keys) are digested in an order of their
+own, not the interpreter's hash order, and keys that are no plain value by their pickle, not a
+repr that may carry an address. Every kind of tensor (sparse and compressed layouts, nested ones,
+quantized, conjugate or negative views, meta, a lazy module's uninitialized parameters) and every
+array (of objects too) is digested by what it holds. A set inside an object that is pickled whole
+(a dataclass's field) still follows the hash seed: such a state differs from process to process.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import numpy as np
 import torch
 from torch.nn.parameter import is_lazy
 
-__all__ = ["Path", "entries", "fingerprint", "shown"]
+__all__ = ["Path", "entries", "fingerprint", "path_text", "shown"]
 
 Path = tuple[Any, ...]
 """The keys (and list indices) from the state's root to a node."""
@@ -31,10 +36,11 @@ _PLAIN = (bool, int, float, complex, str, bytes, type(None))
 
 
 def fingerprint(state: Any) -> bytes:
-    """One digest of the whole state: its entries' paths and digests, in the state's order."""
+    """One digest of the whole state: its entries' paths and digests, in the order of their paths
+    (a mapping's order is not state)."""
     h = hashlib.blake2b(digest_size=_DIGEST_BYTES)
-    for path, digest in entries(state):
-        h.update(_path_bytes(path))
+    for text, digest in sorted((path_text(path), digest) for path, digest in entries(state)):
+        h.update(text.encode())
         h.update(digest)
     return h.digest()
 
@@ -53,13 +59,16 @@ def entries(state: Any, path: Path = ()) -> Iterator[tuple[Path, bytes]]:
         yield path, _leaf_digest(state)
 
 
+def path_text(path: Path) -> str:
+    """A path as text alike in every process: each key's type and value (a plain key's repr, any
+    other's digest)."""
+    return repr(tuple(f"{type(k).__name__}:{k!r}" if isinstance(k, _PLAIN) else
+                      f"{type(k).__name__}#{_leaf_digest(k).hex()}" for k in path))
+
+
 def shown(path: Path) -> str:
     """A path as a user reads it: its keys joined with dots (``state.0.exp_avg``)."""
     return ".".join(map(str, path))
-
-
-def _path_bytes(path: Path) -> bytes:
-    return repr(tuple(f"{type(k).__name__}:{k!r}" for k in path)).encode()
 
 
 def _tagged(tag: bytes) -> bytes:
@@ -79,7 +88,11 @@ def _digest_into(h: Any, value: Any) -> None:
         _tensor_into(h, value)
     elif isinstance(value, np.ndarray):
         h.update(f"ndarray{value.dtype}{value.shape}".encode())
-        h.update(np.ascontiguousarray(value).view(np.uint8).data)
+        if value.dtype.hasobject:  # (references, not values: each element's own digest)
+            for item in value.ravel().tolist():
+                h.update(_leaf_digest(item))
+        else:
+            h.update(np.ascontiguousarray(value).view(np.uint8).data)
     elif isinstance(value, _PLAIN):
         h.update(f"{type(value).__name__}:{value!r}".encode())
     elif isinstance(value, (set, frozenset)):  # (its pickle follows the interpreter's hash seed)
@@ -103,6 +116,11 @@ def _tensor_into(h: Any, t: torch.Tensor) -> None:
         h.update(f"uninitialized:{t.dtype}".encode())
         return
     t = t.detach()
+    if t.is_nested:  # (its shape has ragged dimensions: its components, one by one)
+        h.update(f"nested:{t.dtype}:{t.layout}".encode())
+        for part in t.unbind():
+            _tensor_into(h, part)
+        return
     h.update(f"{t.dtype}{tuple(t.shape)}{t.layout}".encode())
     if t.is_meta:  # (no values to read)
         return

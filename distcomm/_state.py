@@ -12,8 +12,15 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from ._calls import CallSpec, Op
-from ._errors import CollectiveError, CollectiveMismatchError, CommunicatorStateError, SerializationError, is_rank_loss
-from ._fingerprint import Path, entries, fingerprint, shown
+from ._errors import (
+    CollectiveError,
+    CollectiveMismatchError,
+    CommunicatorStateError,
+    PayloadTooLargeError,
+    SerializationError,
+    is_rank_loss,
+)
+from ._fingerprint import entries, fingerprint, path_text, shown
 from ._wire.serialization import AuthenticatedSerializer, SafeSerializer, Serializer, serializing_with
 
 if TYPE_CHECKING:
@@ -43,8 +50,8 @@ def sync_state(comm: Communicator, objects: tuple[Any, ...], allow: Iterable[Any
         comm._holds_state = True  # (every member now holds the state of one that held it)
     else:
         r, text = failed[0]
-        raise SerializationError(f"sync_state: rank(s) {[r for r, _ in failed]} could not load the state rank {src} "
-                                 f"sent; rank {r}: {text}", op="sync_state", ranks=[r for r, _ in failed])
+        raise SerializationError(f"sync_state: rank(s) {[r for r, _ in failed]} could not send or load the state "
+                                 f"rank {src} holds; rank {r}: {text}", op="sync_state", ranks=[r for r, _ in failed])
 
 
 _STATE_SERIALIZER = SafeSerializer()
@@ -58,23 +65,44 @@ def _state_serializer(comm: Communicator, allow: Iterable[Any]) -> Serializer:
     return chosen.around(safe) if isinstance(chosen, AuthenticatedSerializer) else safe
 
 
+_NOT_SENT = "distcomm: the state was not sent"
+"""What the source sends in place of the state it couldn't serialize: the receivers then fail the
+call with the others, instead of waiting for a state that never comes."""
+
+
 def _hand_over(comm: Communicator, objects: tuple[Any, ...], states: list[Any], src: int,
                needed: dict[int, list[int]]) -> str | None:
     """Send the objects each rank needs from ``src`` (one copy per rank, all on their way at once),
-    and load them where they arrive; why this rank couldn't load its own, or None."""
+    and load them where they arrive; why this rank couldn't send or load its own, or None."""
     if comm.rank == src:
-        sends = [comm.isend([states[i] for i in which], r, tag=_STATE_TAG) for r, which in needed.items() if which]
-        for sent in sends:
-            sent.wait()
-    elif needed[comm.rank]:
-        try:
-            for i, state in zip(needed[comm.rank], comm.recv(src, tag=_STATE_TAG), strict=True):
-                _load(objects[i], state)
-        except (SerializationError, ValueError, TypeError, KeyError, RuntimeError) as e:
-            if is_rank_loss(e):
-                raise
-            return f"{type(e).__name__}: {e}"
+        return _send_state(comm, states, needed)
+    if not needed[comm.rank]:
+        return None
+    try:
+        got = comm.recv(src, tag=_STATE_TAG)
+        if isinstance(got, tuple) and got[:1] == (_NOT_SENT,):
+            return f"rank {src} could not send it: {got[1]}"
+        for i, state in zip(needed[comm.rank], got, strict=True):
+            _load(objects[i], state)
+    except Exception as e:  # (a load_state_dict of the user's: whatever it raises)
+        if is_rank_loss(e):
+            raise
+        return f"{type(e).__name__}: {e}"
     return None
+
+
+def _send_state(comm: Communicator, states: list[Any], needed: dict[int, list[int]]) -> str | None:
+    """The source's part: each rank's objects on their way at once; where they can't be serialized
+    (nothing went), why, said to that rank in their place, and returned."""
+    sends = {r: comm.isend([states[i] for i in which], r, tag=_STATE_TAG) for r, which in needed.items() if which}
+    failure = None
+    for r, sent in sends.items():
+        try:
+            sent.wait()
+        except (SerializationError, PayloadTooLargeError) as e:
+            failure = failure or str(e)
+            comm.isend((_NOT_SENT, str(e)), r, tag=_STATE_TAG).wait()
+    return failure
 
 
 def check_identical(comm: Communicator, objects: tuple[Any, ...]) -> None:
@@ -86,7 +114,7 @@ def check_identical(comm: Communicator, objects: tuple[Any, ...]) -> None:
         differ = [r for r in range(comm.world_size) if digests[r] != digests[src]]
         if not differ:
             return
-        keyed = [list(entries(state)) for state in states]
+        keyed = [[(path_text(path), shown(path), digest) for path, digest in entries(state)] for state in states]
         tables = _exchange(comm, Op.CHECK_IDENTICAL, keyed if comm.rank in (src, *differ) else None)
     names = [type(obj).__name__ for obj in objects]
     raise CollectiveMismatchError(_where_they_differ(tables, src, differ, names), op="check_identical", ranks=differ)
@@ -100,6 +128,7 @@ def _fingerprints(comm: Communicator, objects: tuple[Any, ...],
     neither, a state that can't be read, counts that differ, and no rank holding the state are
     refused on every rank alike: one rank's mistake doesn't leave the others waiting, and no
     newcomer's fresh state is taken."""
+    comm._check_usable()
     states: list[Any] = []
     mine: list[bytes] = []
     bad = [f"object {i} is a {type(obj).__name__}" for i, obj in enumerate(objects)
@@ -154,20 +183,21 @@ def _load(obj: Any, state: Any) -> None:
 
 
 def _where_they_differ(tables: list[Any], src: int, differ: list[int], names: list[str]) -> str:
-    """Which ranks differ from rank ``src``, and the first key (in its order) where one of them does."""
+    """Which ranks differ from rank ``src``, and the first key (in its order) where one of them
+    does. ``tables``: each rank's entries of each object, as (path's text, path shown, digest)."""
     head = f"check_identical: the state of rank(s) {differ} differs from rank {src}'s"
     for i, mine in enumerate(tables[src]):
-        theirs = [dict(tables[r][i]) for r in differ]
-        for path, digest in mine:
-            odd = [r for r, t in zip(differ, theirs, strict=True) if t.get(path) != digest]
+        theirs = [{text: digest for text, _, digest in tables[r][i]} for r in differ]
+        for text, path, digest in mine:
+            odd = [r for r, t in zip(differ, theirs, strict=True) if t.get(text) != digest]
             if odd:
                 return f"{head}; first at object {i} ({names[i]}), {_place(path)} (rank(s) {odd})"
-        ours = {path for path, _ in mine}
-        extra = next((path for r in differ for path, _ in tables[r][i] if path not in ours), None)
+        ours = {text for text, _, _ in mine}
+        extra = next((path for r in differ for text, path, _ in tables[r][i] if text not in ours), None)
         if extra is not None:
             return f"{head}; first at object {i} ({names[i]}), {_place(extra)}, which rank {src} lacks"
     return head
 
 
-def _place(path: Path) -> str:
-    return f"key {shown(path)!r}" if path else "its root"
+def _place(path: str) -> str:
+    return f"key {path!r}" if path else "its root"

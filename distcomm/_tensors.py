@@ -214,11 +214,13 @@ def carried_bytes(comm: Communicator, op: Op, tensor: torch.Tensor, reduce_op: s
 
 
 def _plain(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``'s values in a tensor of its own memory layout's simplest kind: no autograd, no
-    negative view, contiguous (``tensor`` itself where it is one already: the common call)."""
-    if tensor.requires_grad or tensor.is_neg() or not tensor.is_contiguous():
-        return tensor.detach().resolve_neg().contiguous()
-    return tensor
+    """``tensor``'s values in a tensor of the simplest kind, no autograd, no negative view,
+    contiguous: ``tensor`` itself (detached) where it is one already, the common call, whose bytes
+    are then written in place, bumping no version counter (as the native collective writes them)."""
+    plain = tensor.detach() if tensor.requires_grad else tensor
+    if plain.is_neg() or not plain.is_contiguous():
+        return plain.resolve_neg().contiguous()
+    return plain
 
 
 def _carried(comm: Communicator, op: Op, root: int, tensor: torch.Tensor, reduce_op: str | None, carried: bytes,
@@ -237,8 +239,9 @@ def _carried(comm: Communicator, op: Op, root: int, tensor: torch.Tensor, reduce
         fold_rows(rows, flat, reduce_op)
         if reduce_op == "mean":
             flat.div_(comm.world_size)
-    if work is not tensor:  # (a copy: written back)
-        tensor.detach().copy_(work)
+    if work.data_ptr() != tensor.data_ptr():  # (a copy: written back, as the native path does)
+        with torch.no_grad():
+            tensor.copy_(work)
     st.serialize_s += t1 - t0
     st.transfer_s += time.perf_counter() - t1
     return tensor
@@ -298,13 +301,13 @@ def reduce_by_gathering(comm: Communicator, tensor: torch.Tensor, dst: int | Non
                         timeout: float | None) -> None:
     """Reduce ``tensor`` in place onto ``dst`` (None: every rank); "mean" sums."""
     values = _same_tensors(comm, comm._gather_tensors(tensor, timeout), tensor)
-    if dst is None or dst == comm.rank:
-        tensor.copy_(fold_tensors(values, op))
+    if dst is None or dst == comm.rank:  # (``.data``: no version counter bumped, as a transport writes)
+        tensor.data.copy_(fold_tensors(values, op))
 
 
 def broadcast_by_gathering(comm: Communicator, tensor: torch.Tensor, src: int, timeout: float | None) -> None:
     values = _same_tensors(comm, comm._gather_tensors(tensor, timeout), tensor)
-    tensor.copy_(values[src])
+    tensor.data.copy_(values[src])
 
 
 def all_gather_by_gathering(comm: Communicator, out: torch.Tensor, tensor: torch.Tensor, rows: list[int],

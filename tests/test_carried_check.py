@@ -171,3 +171,23 @@ def test_ranks_that_differ_only_in_grad_or_layout_reduce_as_before(run: str) -> 
     for r, got in enumerate(outs):
         assert got == {"loss": [6.0], "received": torch.arange(6.0).reshape(3, 2).tolist(), "negative": [0.0, 0.0],
                        "leaf": [2.0, 2.0], "grad": r == 1}, (r, got)
+
+
+def _reduced_between_forward_and_backward(comm: distcomm.Communicator) -> list[bool]:
+    """A parameter summed in place after the forward pass, as a small and as a large one: the
+    backward pass runs after both (torch's own all_reduce bumps no version counter either)."""
+    ran = []
+    for n in (4, 1000):  # (carried in the check, and not)
+        weight = torch.ones(n, requires_grad=True)
+        loss = (weight * weight).sum()
+        comm.all_reduce(weight)
+        loss.backward()
+        ran.append(weight.grad is not None)
+    return ran
+
+
+@pytest.mark.parametrize("run", ["threads", "gloo"])
+def test_a_small_tensor_reduced_in_place_keeps_autograd_as_a_large_one(run: str) -> None:
+    outs = run_threaded(_reduced_between_forward_and_backward, 2, timeout=60) if run == "threads" else \
+        spawn(_reduced_between_forward_and_backward, 2, timeout=60)
+    assert outs == [[True, True]] * 2, outs

@@ -189,7 +189,7 @@ def test_a_member_can_send_wrong_numbers_through_sync_state_but_never_code(tmp_p
     marker = str(tmp_path / "ran")
     said = distcomm.testing.spawn(functools.partial(_hostile_source, marker=marker), 2, timeout=WAIT)
     assert not os.path.exists(marker)
-    assert said[0] == said[1] and "rank(s) [1] could not load the state rank 0 sent" in said[0], said
+    assert said[0] == said[1] and "rank(s) [1] could not send or load the state rank 0 holds" in said[0], said
     assert "UnsafePayloadError" in said[0] and "builtins.exec" in said[0], said
 
 

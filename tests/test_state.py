@@ -3,6 +3,7 @@ fingerprints first; refusals alike on every rank."""
 
 from __future__ import annotations
 
+import enum
 import os
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -168,7 +170,8 @@ def test_a_missing_key_is_named_and_handed_over_between_processes() -> None:
 _SETS_OF_STRINGS = """
     import json, distcomm
     comm = distcomm.from_env()
-    state = {"tags": {f"tag {i}" for i in range(40)}, "seen": frozenset({"a", "b", "c"}), "step": 3}
+    state = {"tags": {f"tag {i}" for i in range(40)}, "seen": frozenset({"a", "b", "c"}), "step": 3,
+             frozenset({"x", "y", "z"}): 1}  # (a key too)
     sent = []
     real_isend = comm.isend
     comm.isend = lambda *a, **k: sent.append(1) or real_isend(*a, **k)
@@ -201,7 +204,9 @@ def test_equal_sets_are_equal_state_in_processes_of_different_hash_seeds(tmp_pat
 def _odd_tensors() -> dict[str, Any]:
     return {"sparse": torch.eye(3).to_sparse(), "csr": torch.eye(3).to_sparse_csr(),
             "conj": torch.tensor([1 + 2j]).conj(), "neg": torch.ones(2)._neg_view(),
-            "meta": torch.empty(2, device="meta"), "lazy": torch.nn.LazyLinear(2).state_dict()}
+            "meta": torch.empty(2, device="meta"), "lazy": torch.nn.LazyLinear(2).state_dict(),
+            "nested": torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
+            "objects": np.array([1, "a", None], dtype=object)}
 
 
 def test_every_kind_of_tensor_has_a_fingerprint() -> None:
@@ -273,3 +278,76 @@ def test_a_state_call_beside_an_all_gather_is_a_mismatch_naming_both(run: str) -
         assert ranks == (1,), outs
         assert "rank 0: check_identical (call #" in text, text
         assert "rank 1: all_gather (call #" in text and text.count(" at test_state.py:") == 2, text
+
+
+def test_equal_dicts_are_equal_state_whatever_order_their_keys_came_in() -> None:
+    def fn(comm: distcomm.Communicator) -> int:
+        state = {"a": 1, "b": torch.ones(2)} if comm.rank else {"b": torch.ones(2), "a": 1}
+        sends = count_calls(comm, "isend")
+        comm.check_identical(state)
+        comm.sync_state(state)
+        return sends[0]
+
+    assert run_threaded(fn, 2, timeout=60) == [0, 0]
+
+
+class Color(enum.Enum):
+    RED = 1
+
+
+def test_keys_of_the_users_own_classes_are_compared_and_named() -> None:
+    """check_identical sends the keys of a state that differs as text: the safe loader never meets
+    the user's classes there (a state keyed by an enum raised UnsafePayloadError)."""
+    def fn(comm: distcomm.Communicator) -> str:
+        state = {Color.RED: torch.full((2,), float(comm.rank))}
+        with pytest.raises(distcomm.CollectiveMismatchError) as caught:
+            comm.check_identical(state)
+        return str(caught.value)
+
+    for text in spawn(fn, 2, timeout=60):
+        assert text.endswith("key 'Color.RED' (rank(s) [1])"), text
+
+
+def test_the_state_calls_on_a_closed_communicator_are_refused_as_any_call() -> None:
+    def fn(comm: distcomm.Communicator) -> list[str]:
+        sub = comm.split(0)
+        sub.close()
+        said = []
+        for call in (sub.sync_state, sub.check_identical, sub.all_gather):
+            with pytest.raises(distcomm.CommunicatorStateError) as caught:
+                call({"step": 1})
+            said.append(str(caught.value))
+        return said
+
+    for run in (run_threaded, spawn):
+        for said in run(fn, 2, timeout=60):
+            assert all("is closed" in s for s in said), said
+
+
+class _Unpicklable:
+    def __reduce__(self) -> Any:
+        raise TypeError("this rank's handle can't be pickled")
+
+
+class _LoadFails(torch.nn.Module):
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        raise AssertionError("a check of the user's")
+
+
+@pytest.mark.parametrize("where", ["sender", "receiver"])
+def test_a_state_that_cant_be_sent_or_loaded_fails_the_call_on_every_rank(where: str) -> None:
+    """The source can't serialize the state, or a rank's load_state_dict raises what it likes: every
+    rank raises SerializationError in the call (the others waited until the timeout)."""
+    def fn(comm: distcomm.Communicator) -> tuple[str, str]:
+        if comm.rank == 0:
+            model: Any = {"handle": _Unpicklable()} if where == "sender" else {"w": torch.ones(1)}
+        else:
+            model = _LoadFails() if where == "receiver" else {"handle": None}
+            comm._holds_state = False  # (a newcomer: rank 0 is the source)
+        with pytest.raises(distcomm.SerializationError) as caught:
+            comm.sync_state(model)
+        return type(caught.value).__name__, str(caught.value)
+
+    for _, text in spawn(fn, 2, timeout=60):
+        assert "could not send or load the state rank 0 holds" in text, text
+        assert ("can't serialize" in text) if where == "sender" else ("AssertionError: a check of the user's" in text)

@@ -477,8 +477,8 @@ class ElasticMethods:
 
     def check_identical(self, *objects: Any) -> None:
         """Raise CollectiveMismatchError on every rank when the members' states differ, naming the
-        ranks whose state differs from rank 0's and the first key that does. ``objects`` as for
-        ``sync_state``. It moves a fingerprint per object and rank (and the keys', once they
-        differ): cheap enough to run every few steps. Collective."""
+        ranks whose state differs from ``sync_state``'s source and the first key that does.
+        ``objects`` as for ``sync_state``. It moves a fingerprint per object and rank (and the
+        keys', once they differ): cheap enough to run every few steps. Collective."""
         comm = front_door(self)
         check_identical(comm, objects)

@@ -156,7 +156,7 @@ class ThreadedCommunicator(Communicator):
         self._job_rank = rank if job_rank is None else job_rank
         self._membership = membership  # (None: a sub-communicator's, numbered as itself)
         self._replacement = replacement
-        self._depth = 0  # public calls inside public calls (sync_state's all_gather): only the outer counts
+        self._depth = 0  # public calls inside public calls (reduce_dict's key check): only the outer counts
         self._slot_gen = 0
         self._reduce_gen = 0
         self._holding = False
@@ -333,7 +333,7 @@ class ThreadedCommunicator(Communicator):
         values = self._guard(lambda: self._world.gather(self._world.reduces, "reduce", gen, self._rank,
                                                         tensor.clone(), deadline))
         if dst is None or dst == self._rank:  # summed in rank order, like a transport's fixed order
-            tensor.copy_(torch.stack(values).sum(0))
+            tensor.data.copy_(torch.stack(values).sum(0))  # (no version counter bumped, as gloo writes)
 
     def _gather_tensors(self, tensor: torch.Tensor, timeout: float | None) -> list[torch.Tensor]:
         self._reduce_gen += 1
