@@ -7,7 +7,8 @@ A plain torch script runs under it unchanged: the workers see torchrun's variabl
 ``env://`` rendezvous asks the agent's store (``TORCHELASTIC_USE_AGENT_STORE``). A worker that
 exits non-zero or crashes fails the job (the others are ended, as torchrun does); one killed
 (SIGKILL, SIGTERM) in a job that uses distcomm's rendezvous is lost, and the job goes on without
-it (``_fails_the_job``).
+it (``_fails_the_job``); one killed before any worker met the others is started again, in any job,
+and takes its place in the first meeting.
 """
 
 from __future__ import annotations
