@@ -261,7 +261,7 @@ def dumps_for(comm: Communicator, obj: Any) -> list[memoryview]:
     rank's evaluation results), with the collector paused: the pickler keeps what it made of each
     until it ends, and the collections those start (and the full ones they lead to, 50 ms in a
     process that imported torch) would walk them again and again for nothing."""
-    serializer = _SERIALIZING_WITH.get() or comm.serializer
+    serializer = serializer_for(comm)
     if not _holds_many(obj):
         return serializer.dumps(obj)
     with GCPause():
