@@ -11,20 +11,29 @@ What follows the process is kept out: sets (as values or keys) are digested in a
 own, not the interpreter's hash order, and keys that are no plain value by their pickle, not a
 repr that may carry an address. Every kind of tensor (sparse and compressed layouts, nested ones,
 quantized, conjugate or negative views, meta, a lazy module's uninitialized parameters) and every
-array (of objects too) is digested by what it holds. A set inside an object that is pickled whole
-(a dataclass's field) still follows the hash seed: such a state differs from process to process.
+array (of objects too) is digested by what it holds; a DTensor by its layout and this rank's shard.
+A set inside an object that is pickled whole (a dataclass's field) still follows the hash seed:
+such a state differs from process to process.
+
+Digests are SHA-256, cut to 128 bits: any accidental difference (a bit flipped anywhere) changes
+them. Large buffers are hashed in chunks on a few threads (hashlib lets go of the GIL while it
+hashes), so that a holder's fingerprint of a large state costs a fraction of copying it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import pickle
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
 from torch.nn.parameter import is_lazy
+
+from ._sharded import is_dtensor, layout_of, local_of
 
 __all__ = ["Path", "entries", "fingerprint", "path_text", "shown"]
 
@@ -32,13 +41,17 @@ Path = tuple[Any, ...]
 """The keys (and list indices) from the state's root to a node."""
 
 _DIGEST_BYTES = 16
+_CHUNK = 1 << 20
+"""Buffers larger than this are hashed as the digests of their chunks of this size, on threads."""
+_THREADS = max(1, min(4, os.cpu_count() or 1))
+_pool: ThreadPoolExecutor | None = None
 _PLAIN = (bool, int, float, complex, str, bytes, type(None))
 
 
 def fingerprint(state: Any) -> bytes:
     """One digest of the whole state: its entries' paths and digests, in the order of their paths
     (a mapping's order is not state)."""
-    h = hashlib.blake2b(digest_size=_DIGEST_BYTES)
+    h = _hasher()
     for text, digest in sorted((path_text(path), digest) for path, digest in entries(state)):
         h.update(text.encode())
         h.update(digest)
@@ -71,14 +84,32 @@ def shown(path: Path) -> str:
     return ".".join(map(str, path))
 
 
+def _hasher(data: bytes | memoryview = b"") -> hashlib._Hash:
+    return hashlib.sha256(data)
+
+
 def _tagged(tag: bytes) -> bytes:
-    return hashlib.blake2b(tag, digest_size=_DIGEST_BYTES).digest()
+    return bytes(_hasher(tag).digest()[:_DIGEST_BYTES])
 
 
 def _leaf_digest(leaf: Any) -> bytes:
-    h = hashlib.blake2b(digest_size=_DIGEST_BYTES)
+    h = _hasher()
     _digest_into(h, leaf)
-    return h.digest()
+    return bytes(h.digest()[:_DIGEST_BYTES])
+
+
+def _bytes_into(h: Any, data: memoryview) -> None:
+    """``data`` into ``h``: itself where small, else its chunks' digests, hashed on threads."""
+    if data.nbytes <= _CHUNK or _THREADS == 1:
+        h.update(data)
+        return
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="distcomm-fingerprint")
+    chunks = (data[i:i + _CHUNK] for i in range(0, data.nbytes, _CHUNK))
+    h.update(b"chunked")
+    for digest in _pool.map(lambda chunk: _hasher(chunk).digest(), chunks):
+        h.update(digest)
 
 
 def _digest_into(h: Any, value: Any) -> None:
@@ -92,7 +123,7 @@ def _digest_into(h: Any, value: Any) -> None:
             for item in value.ravel().tolist():
                 h.update(_leaf_digest(item))
         else:
-            h.update(np.ascontiguousarray(value).view(np.uint8).data)
+            _bytes_into(h, np.ascontiguousarray(value).view(np.uint8).data)
     elif isinstance(value, _PLAIN):
         h.update(f"{type(value).__name__}:{value!r}".encode())
     elif isinstance(value, (set, frozenset)):  # (its pickle follows the interpreter's hash seed)
@@ -111,7 +142,11 @@ def _digest_into(h: Any, value: Any) -> None:
 
 
 def _tensor_into(h: Any, t: torch.Tensor) -> None:
-    """A tensor's dtype, shape and values (its layout's own parts where it isn't strided)."""
+    """A tensor's dtype, shape and values (its layout's own parts where it isn't strided; a
+    DTensor's layout and this rank's shard)."""
+    if is_dtensor(t):
+        h.update(f"dtensor:{layout_of(t)}".encode())
+        t = local_of(t)
     if is_lazy(t):  # (a lazy module before its first forward: no shape yet)
         h.update(f"uninitialized:{t.dtype}".encode())
         return
@@ -141,4 +176,4 @@ def _tensor_into(h: Any, t: torch.Tensor) -> None:
         _tensor_into(h, t.int_repr())
     elif t.numel():
         values = t.resolve_conj().resolve_neg().cpu().contiguous().reshape(-1)
-        h.update(values.view(torch.uint8).numpy().data)
+        _bytes_into(h, values.view(torch.uint8).numpy().data)

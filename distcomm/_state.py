@@ -1,26 +1,28 @@
 """The whole training state on every member: ``sync_state`` hands it to those whose state differs
 (a newcomer, a rank that applied half a failed step), ``check_identical`` says who differs and where.
 
-Both compare small fingerprints first, so that a call where every member agrees (after most
-shrinks, and every N steps of a healthy job) moves a few bytes per object and rank: the state
-itself goes only to the members that need it, one point-to-point copy each.
+Ranks are compared only within their shard class (``_sharded``: all of them, for plain state). A
+call where every member agrees (after most shrinks, and every N steps of a healthy job) moves small
+fingerprints only; a newcomer needs none, it gets everything. The state itself goes only to the
+members that need it, one point-to-point copy each (``_state_copy``), striped over the members that
+hold it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from ._calls import CallSpec, Op
 from ._errors import (
     CollectiveError,
     CollectiveMismatchError,
     CommunicatorStateError,
-    PayloadTooLargeError,
     SerializationError,
-    is_rank_loss,
 )
 from ._fingerprint import entries, fingerprint, path_text, shown
+from ._sharded import class_key
+from ._state_copy import moves_bytes, receive_state, send_state, state_tensors
 from ._wire.serialization import AuthenticatedSerializer, SafeSerializer, Serializer, serializing_with
 
 if TYPE_CHECKING:
@@ -28,28 +30,29 @@ if TYPE_CHECKING:
 
 __all__ = ["check_identical", "sync_state"]
 
-_STATE_TAG = 0x3FFF_5A7E  # (tags are below 2**30)
-
+_R = TypeVar("_R")
 
 def sync_state(comm: Communicator, objects: tuple[Any, ...], allow: Iterable[Any] = ()) -> None:
-    """``Communicator.sync_state``: every member ends with the state of the first member that holds
-    the job's trained state; only members whose state differs receive it (only the objects that differ).
+    """``Communicator.sync_state``: every member ends with the state of the first member of its
+    shard class that holds the job's trained state; only members whose state differs receive it
+    (only the objects that differ), each from one member that holds it, striped over those.
 
     What peers send is loaded with the safe loader (and the classes in ``allow``): state is
     tensors and plain values, so even a member can send wrong numbers, never code."""
     with serializing_with(_state_serializer(comm, allow)):
-        states, digests, src = _fingerprints(comm, objects, Op.SYNC_STATE)
-        needed = {r: [i for i, d in enumerate(digests[r]) if d != digests[src][i]] for r in range(comm.world_size)}
-        if not any(needed.values()):
+        states, survey = _survey(comm, objects, Op.SYNC_STATE, digests=False)
+        plan = _plan(comm, objects, states, survey)
+        if not plan:
             comm._holds_state = True
             return
-        failure = _hand_over(comm, objects, states, src, needed)
+        failure = _hand_over(comm, objects, states, plan)
         said = _exchange(comm, Op.SYNC_STATE, failure)  # (the sender too learns that a load failed)
     failed = [(r, text) for r, text in enumerate(said) if text is not None]
     if not failed:
         comm._holds_state = True  # (every member now holds the state of one that held it)
     else:
         r, text = failed[0]
+        src = plan[r][0] if r in plan else r
         raise SerializationError(f"sync_state: rank(s) {[r for r, _ in failed]} could not send or load the state "
                                  f"rank {src} holds; rank {r}: {text}", op="sync_state", ranks=[r for r, _ in failed])
 
@@ -65,101 +68,138 @@ def _state_serializer(comm: Communicator, allow: Iterable[Any]) -> Serializer:
     return chosen.around(safe) if isinstance(chosen, AuthenticatedSerializer) else safe
 
 
-_NOT_SENT = "distcomm: the state was not sent"
-"""What the source sends in place of the state it couldn't serialize: the receivers then fail the
-call with the others, instead of waiting for a state that never comes."""
+def _plan(comm: Communicator, objects: tuple[Any, ...], states: list[Any],
+          survey: _Survey) -> dict[int, tuple[int, list[int]]]:
+    """Who receives which objects from whom: in each shard class, every rank that doesn't hold the
+    state gets every object; a holder, the objects whose fingerprint differs from the class's first
+    holder's. Holders fingerprint their state only where their class has another holder (a second
+    small exchange): a newcomer's class with one holder copies without hashing anything. Receivers
+    are striped over the holders whose state is the first holder's, so that the copies run at once."""
+    several = {r for ranks in survey.classes for r in ranks if sum(survey.holds[i] for i in ranks) > 1}
+    digests: list[list[bytes] | None] = [None] * comm.world_size
+    if several:
+        mine = _read(lambda: [fingerprint(s) for s in states]) if comm.rank in several and comm._holds_state else None
+        said = _exchange(comm, Op.SYNC_STATE, mine)
+        _refuse_unread(Op.SYNC_STATE.label, said)
+        digests = [d if isinstance(d, list) else None for d in said]
+    plan: dict[int, tuple[int, list[int]]] = {}
+    everything = list(range(len(objects)))
+    for ranks in survey.classes:
+        holders = [r for r in ranks if survey.holds[r]]
+        ref = digests[holders[0]]
+        need = {r: everything if not survey.holds[r] or ref is None else
+                [i for i, d in enumerate(digests[r] or ()) if d != ref[i]] for r in ranks if r != holders[0]}
+        sources = [holders[0], *(r for r in holders[1:] if not need[r])]
+        for k, r in enumerate(r for r in ranks if need.get(r)):
+            plan[r] = (sources[k % len(sources)], need[r])
+    return plan
 
 
-def _hand_over(comm: Communicator, objects: tuple[Any, ...], states: list[Any], src: int,
-               needed: dict[int, list[int]]) -> str | None:
-    """Send the objects each rank needs from ``src`` (one copy per rank, all on their way at once),
-    and load them where they arrive; why this rank couldn't send or load its own, or None."""
-    if comm.rank == src:
-        return _send_state(comm, states, needed)
-    if not needed[comm.rank]:
+def _hand_over(comm: Communicator, objects: tuple[Any, ...], states: list[Any],
+               plan: dict[int, tuple[int, list[int]]]) -> str | None:
+    """Send the objects each rank needs from this one (all on their way at once), and load them
+    where they arrive; why this rank couldn't send or load its own, or None."""
+    raw = moves_bytes(comm)
+    mine = {r: which for r, (src, which) in plan.items() if src == comm.rank}
+    if mine:
+        return send_state(comm, states, mine, raw)
+    if comm.rank not in plan:
         return None
-    try:
-        got = comm.recv(src, tag=_STATE_TAG)
-        if isinstance(got, tuple) and got[:1] == (_NOT_SENT,):
-            return f"rank {src} could not send it: {got[1]}"
-        for i, state in zip(needed[comm.rank], got, strict=True):
-            _load(objects[i], state)
-    except Exception as e:  # (a load_state_dict of the user's: whatever it raises)
-        if is_rank_loss(e):
-            raise
-        return f"{type(e).__name__}: {e}"
-    return None
-
-
-def _send_state(comm: Communicator, states: list[Any], needed: dict[int, list[int]]) -> str | None:
-    """The source's part: each rank's objects on their way at once; where they can't be serialized
-    (nothing went), why, said to that rank in their place, and returned."""
-    sends = {r: comm.isend([states[i] for i in which], r, tag=_STATE_TAG) for r, which in needed.items() if which}
-    failure = None
-    for r, sent in sends.items():
-        try:
-            sent.wait()
-        except (SerializationError, PayloadTooLargeError) as e:
-            failure = failure or str(e)
-            comm.isend((_NOT_SENT, str(e)), r, tag=_STATE_TAG).wait()
-    return failure
+    src, which = plan[comm.rank]
+    return receive_state(comm, objects, states, src, which, raw, _load)
 
 
 def check_identical(comm: Communicator, objects: tuple[Any, ...]) -> None:
     """``Communicator.check_identical``: raise CollectiveMismatchError on every rank, naming the
-    ranks whose state differs from the first member's (``sync_state``'s source) and the first key
-    that differs. Fingerprints and keys are loaded with the safe loader, as ``sync_state``'s."""
+    ranks whose state differs from the first holder's of their shard class (``sync_state``'s
+    source) and the first key that differs. Fingerprints and keys are loaded with the safe loader,
+    as ``sync_state``'s."""
     with serializing_with(_state_serializer(comm, ())):
-        states, digests, src = _fingerprints(comm, objects, Op.CHECK_IDENTICAL)
-        differ = [r for r in range(comm.world_size) if digests[r] != digests[src]]
-        if not differ:
+        states, survey = _survey(comm, objects, Op.CHECK_IDENTICAL, digests=True)
+        digests = survey.digests
+        odd = []  # (each class's first holder, its ranks that differ from it)
+        for ranks in survey.classes:
+            src = next(r for r in ranks if survey.holds[r])
+            differ = [r for r in ranks if digests[r] != digests[src]]
+            odd += [(src, differ)] if differ else []
+        if not odd:
             return
         keyed = [[(path_text(path), shown(path), digest) for path, digest in entries(state)] for state in states]
-        tables = _exchange(comm, Op.CHECK_IDENTICAL, keyed if comm.rank in (src, *differ) else None)
+        told = {r for src, differ in odd for r in (src, *differ)}
+        tables = _exchange(comm, Op.CHECK_IDENTICAL, keyed if comm.rank in told else None)
     names = [type(obj).__name__ for obj in objects]
-    raise CollectiveMismatchError(_where_they_differ(tables, src, differ, names), op="check_identical", ranks=differ)
+    ranks = sorted(r for _, differ in odd for r in differ)
+    said = [_where_they_differ(tables, src, differ, names) for src, differ in odd]  # (one per shard class)
+    text = "; and ".join([said[0], *(s.removeprefix("check_identical: ") for s in said[1:])])
+    raise CollectiveMismatchError(text, op="check_identical", ranks=ranks)
 
 
-def _fingerprints(comm: Communicator, objects: tuple[Any, ...],
-                  op: Op) -> tuple[list[Any], list[list[bytes]], int]:
-    """This rank's states (each object's ``state_dict()``, or the dict itself), every rank's
-    fingerprints of theirs, and the source: the first rank that holds the job's trained state (not
-    a newcomer not yet handed it, through any shrink, admit or split since). Objects that are
-    neither, a state that can't be read, counts that differ, and no rank holding the state are
-    refused on every rank alike: one rank's mistake doesn't leave the others waiting, and no
-    newcomer's fresh state is taken."""
+class _Survey(NamedTuple):
+    holds: list[bool]
+    """Which ranks hold the job's trained state."""
+    classes: list[list[int]]
+    """The ranks of each shard class (``_sharded``), in rank order; every class has a holder."""
+    digests: list[list[bytes]]
+    """Every rank's fingerprints (where asked for; else empty)."""
+
+
+def _survey(comm: Communicator, objects: tuple[Any, ...], op: Op, digests: bool) -> tuple[list[Any], _Survey]:
+    """This rank's states (each object's ``state_dict()``, or the dict itself), and what every rank
+    said of its own: whether it holds the job's trained state (not a newcomer not yet handed it,
+    through any shrink, admit or split since), its shard class, its fingerprints (``digests``).
+    Objects that are neither, a state that can't be read, counts that differ, and a class where no
+    rank holds the state are refused on every rank alike: one rank's mistake doesn't leave the
+    others waiting, and no newcomer's fresh state is taken."""
     comm._check_usable()
-    states: list[Any] = []
-    mine: list[bytes] = []
     bad = [f"object {i} is a {type(obj).__name__}" for i, obj in enumerate(objects)
            if not (_stateful(obj) or isinstance(obj, dict))]
-    unread: str | None = None
-    if not bad:
-        try:
-            states = [obj.state_dict() if _stateful(obj) else obj for obj in objects]
-            mine = [fingerprint(state) for state in states]
-        except Exception as e:  # (a state_dict() of the user's: whatever it raises, on this rank alone)
-            unread = f"{type(e).__name__}: {e}"
-    gathered = _exchange(comm, op, (bad, unread, mine, comm._holds_state))
+    read: Any = None if bad else _read(lambda: _read_state(objects, digests))
+    states, key, mine = read if isinstance(read, tuple) else ([], b"", [])
+    gathered = _exchange(comm, op, (bad, read if isinstance(read, str) else None, len(objects), comm._holds_state,
+                                    key, mine))
     label = op.label
     refused = [f"rank {r}: {', '.join(b)}" for r, (b, *_) in enumerate(gathered) if b]
     if refused:
         raise TypeError(f"{label} takes objects with state_dict() and load_state_dict() (a model, an optimizer, a "
                         f"scheduler, a grad scaler) or dicts; {'; '.join(refused)}")
-    failed = [r for r, (_, u, *_) in enumerate(gathered) if u]
-    if failed:
-        raise CollectiveError(f"{label}: rank(s) {failed} could not read their state; rank {failed[0]}: "
-                              f"{gathered[failed[0]][1]}", op=label, ranks=failed)
-    counts = [len(d) for _, _, d, _ in gathered]
+    _refuse_unread(label, [u for _, u, *_ in gathered])
+    counts = [n for _, _, n, *_ in gathered]
     if len(set(counts)) > 1:
         raise CollectiveMismatchError(f"{label}: ranks gave different numbers of state objects: {counts} (by rank)",
                                       op=label, ranks=[r for r, n in enumerate(counts) if n != counts[0]])
-    holders = [r for r, (*_, holds) in enumerate(gathered) if holds]
-    if not holders:
-        raise CommunicatorStateError(
-            f"{label}: no member holds the job's trained state: every rank that held it was lost, and the members "
-            f"left are newcomers not yet handed it; start again from a checkpoint")
-    return states, [d for _, _, d, _ in gathered], holders[0]
+    holds = [bool(g[3]) for g in gathered]
+    classes: dict[bytes, list[int]] = {}
+    for r, g in enumerate(gathered):
+        classes.setdefault(g[4], []).append(r)
+    for ranks in classes.values():
+        if not any(holds[r] for r in ranks):
+            among = "" if len(classes) == 1 else f" among rank(s) {ranks}, which hold the same shards"
+            raise CommunicatorStateError(
+                f"{label}: no member holds the job's trained state{among}: every rank that held it was lost, and the "
+                f"members left are newcomers not yet handed it; start again from a checkpoint")
+    return states, _Survey(holds, list(classes.values()), [g[5] for g in gathered])
+
+
+def _read_state(objects: tuple[Any, ...], digests: bool) -> tuple[list[Any], bytes, list[bytes]]:
+    states = [obj.state_dict() if _stateful(obj) else obj for obj in objects]
+    key = class_key(state_tensors(states, objects))
+    return states, key, [fingerprint(state) for state in states] if digests else []
+
+
+def _read(fn: Callable[[], _R]) -> _R | str:
+    """``fn()``, or what it raised as text: a ``state_dict()`` of the user's raises what it likes,
+    on this rank alone, and every rank must still meet in the exchange that says so."""
+    try:
+        return fn()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def _refuse_unread(label: str, unread: list[Any]) -> None:
+    failed = [r for r, u in enumerate(unread) if isinstance(u, str)]
+    if failed:
+        raise CollectiveError(f"{label}: rank(s) {failed} could not read their state; rank {failed[0]}: "
+                              f"{unread[failed[0]]}", op=label, ranks=failed)
 
 
 def _exchange(comm: Communicator, op: Op, obj: Any) -> list[Any]:

@@ -1,0 +1,310 @@
+"""One rank's state handed to another: its tensors raw, into the receiver's own.
+
+The source sends a *header* per receiver: each object's state with its dense tensors cut out (the
+skeleton: keys, numbers, strings, param_groups) and what each cut-out tensor is (dtype, shape,
+device, a DTensor's layout). The skeleton goes through the safe loader, as any state did: a peer
+can send wrong numbers, never code. The receiver checks the header (known dtypes, sizes it can
+hold), picks where each tensor lands, and says "go" (or why not); only then do the tensors' bytes
+follow, each straight into its landing place: the receiver's own tensor at the same key where it
+has one of that dtype and shape (a model's state_dict aliases its parameters, an optimizer's holds
+its state tensors themselves; a DTensor's local shard), else a fresh tensor (a newcomer's Adam has
+no moments yet). ``load_state_dict`` then takes what arrived, with no second copy.
+
+Fresh tensors are bounded before any is allocated: by ``max_bytes`` where the communicator has one,
+else by this machine's memory. A transport that records messages as objects (the fake) takes the
+tensors inside the header instead (``_moves_bytes``).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.nn.parameter import is_lazy
+
+from ._errors import PayloadTooLargeError, SerializationError, is_rank_loss
+from ._handles import as_caller
+from ._sharded import is_dtensor, layout_of, like, local_of, local_shape
+from ._wire.memory import PHYSICAL_MEMORY
+
+if TYPE_CHECKING:
+    from ._communicator import Communicator
+
+__all__ = ["leaves", "receive_state", "send_state"]
+
+_STATE_TAG = 0x3FFF_5A7E  # (tags are below 2**30)
+_ANSWER_TAG = 0x3FFF_5A7F
+_BYTES_TAG = 0x3FFF_5A80
+
+_NOT_SENT = "distcomm: the state was not sent"
+"""What the source sends in place of the state it couldn't serialize: the receivers then fail the
+call with the others, instead of waiting for a state that never comes."""
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+_MAX_DIMS = 64
+
+Spec = tuple[int, str, tuple[int, ...], str, "str | None"]
+"""A cut-out tensor: its leaf's number in the skeleton, dtype, shape, device type, DTensor layout."""
+
+
+# ---------------------------------------------------------------- the state as a tree
+def _descends(node: Any) -> bool:
+    """The containers a skeleton is cut through (the safe loader rebuilds each as it was); what
+    else holds tensors travels whole, inside the skeleton."""
+    return isinstance(node, dict) or type(node) in (list, tuple)
+
+
+def leaves(state: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    """Every leaf of ``state`` with its path, in one order on both sides (a dict's own order)."""
+    if _descends(state):
+        for k, v in (state.items() if isinstance(state, dict) else enumerate(state)):
+            yield from leaves(v, (*path, k))
+    else:
+        yield path, state
+
+
+def _key(path: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple((type(k), k) for k in path)  # (0 is not "0", nor True 1)
+
+
+def _rebuilt(node: Any, leaf: Callable[[Any], Any]) -> Any:
+    """``node`` with each leaf replaced by ``leaf(it)``, in ``leaves``' order: dicts copied (with
+    what a state dict carries beside its items, ``_metadata``), lists and tuples made anew."""
+    if isinstance(node, dict):
+        out = copy.copy(node)
+        for k, v in node.items():
+            out[k] = _rebuilt(v, leaf)
+        return out
+    if type(node) in (list, tuple):
+        return type(node)(_rebuilt(v, leaf) for v in node)
+    return leaf(node)
+
+
+def _sendable(t: Any) -> bool:
+    """A tensor whose bytes are its values: it travels raw (the others inside the skeleton)."""
+    if not isinstance(t, torch.Tensor) or is_lazy(t):
+        return False
+    local = local_of(t)
+    return (type(local) in (torch.Tensor, torch.nn.Parameter) and local.layout == torch.strided
+            and not (local.is_quantized or local.is_nested or local.is_meta or local.is_conj() or local.is_neg()))
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+# ---------------------------------------------------------------- the source
+def _cut(state: Any) -> tuple[Any, list[Spec], list[torch.Tensor]]:
+    """The skeleton of ``state``, its specs, and the bytes of the tensors cut out (CPU, in order)."""
+    specs: list[Spec] = []
+    parts: list[torch.Tensor] = []
+    count = iter(range(1 << 62))
+
+    def leaf(value: Any) -> Any:
+        n = next(count)
+        if not _sendable(value):
+            return value
+        local = local_of(value).detach()
+        layout = layout_of(value) if is_dtensor(value) else None
+        specs.append((n, str(local.dtype).removeprefix("torch."), tuple(local.shape), local.device.type, layout))
+        parts.append(_as_bytes(local.cpu().contiguous()))
+        return None
+
+    return _rebuilt(state, leaf), specs, parts
+
+
+def send_state(comm: Communicator, states: list[Any], to: dict[int, list[int]], raw: bool) -> str | None:
+    """The source's part: the objects each rank in ``to`` needs, to all of them at once; where they
+    can't be serialized (nothing went), why, said to that rank in their place, and returned."""
+    if len(to) == 1:
+        [(r, which)] = to.items()
+        return _send_to(comm, r, [states[i] for i in which], raw)
+    with ThreadPoolExecutor(len(to), thread_name_prefix="distcomm-state") as pool:
+        sends = [pool.submit(as_caller(functools.partial(_send_to, comm, r, [states[i] for i in which], raw)))
+                 for r, which in to.items()]
+        said = [s.result() for s in sends]
+    return next((s for s in said if s is not None), None)
+
+
+def _send_to(comm: Communicator, r: int, states: list[Any], raw: bool) -> str | None:
+    cuts = [_cut(state) for state in states] if raw else [(state, [], []) for state in states]
+    try:
+        comm.isend([(skeleton, specs) for skeleton, specs, _ in cuts], r, tag=_STATE_TAG).wait()
+    except (SerializationError, PayloadTooLargeError) as e:
+        comm.isend((_NOT_SENT, str(e)), r, tag=_STATE_TAG).wait()
+        return str(e)
+    if raw and comm.recv(r, tag=_ANSWER_TAG) is None:  # (else it refused, and says why in the call's end)
+        parts = [p for _, _, ps in cuts for p in ps if p.numel()]
+        comm._send_message(r, _BYTES_TAG, parts, comm._op_timeout(None))
+    return None
+
+
+def moves_bytes(comm: Communicator) -> bool:
+    """Whether the transport moves raw bytes between ranks: the fake records each message as the
+    object it holds, and takes the tensors inside the header."""
+    from .testing._fake import FakeCommunicator
+
+    return not isinstance(comm, FakeCommunicator)
+
+
+# ---------------------------------------------------------------- the receiver
+class _Landing:
+    """Where one tensor's bytes land (``buf``, this rank's CPU memory) and what the state then holds
+    there (``value``): the receiver's own tensor, or a fresh one; ``then`` copies a staged one on."""
+
+    def __init__(self, buf: torch.Tensor, value: Any, then: Callable[[], object] | None = None) -> None:
+        self.buf, self.value, self.then = buf, value, then
+
+
+def receive_state(comm: Communicator, objects: tuple[Any, ...], states: list[Any], src: int, which: list[int],
+                  raw: bool, load: Callable[[Any, Any], None]) -> str | None:
+    """The receiver's part: take the objects ``which`` from ``src`` and load them; why it couldn't,
+    or None. A rank lost on the way is raised (the call fails as for any lost rank)."""
+    try:
+        got = comm.recv(src, tag=_STATE_TAG)
+    except Exception as e:  # (the safe loader refused it, ...: the call fails on every rank)
+        if is_rank_loss(e):
+            raise
+        return _answered(comm, src, raw, f"{type(e).__name__}: {e}")
+    if isinstance(got, tuple) and got[:1] == (_NOT_SENT,):
+        return f"rank {src} could not send it: {got[1]}"
+    landings, why = _landings(comm, got, [states[i] for i in which], objects)
+    if _answered(comm, src, raw, why) is not None:
+        return why
+    if raw:
+        bufs = [_as_bytes(land.buf) for lands in landings for land in lands.values()]
+        comm._recv_message(src, _BYTES_TAG, [b for b in bufs if b.numel()], comm._op_timeout(None))
+    try:
+        for i, (skeleton, _), lands in zip(which, got, landings, strict=True):
+            load(objects[i], _filled(skeleton, lands))
+    except Exception as e:  # (a load_state_dict of the user's: whatever it raises)
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _answered(comm: Communicator, src: int, raw: bool, why: str | None) -> str | None:
+    """Tell ``src``, which waits to send the bytes, to go (``why`` None) or why not; returns ``why``."""
+    if raw and comm._broken is None:  # (a broken pair's stream is lost anyway)
+        comm.send(why, src, tag=_ANSWER_TAG)
+    return why
+
+
+def _filled(skeleton: Any, landings: dict[int, _Landing]) -> Any:
+    """The skeleton with each tensor that arrived in its place (staged ones copied on first)."""
+    count = iter(range(1 << 62))
+
+    def leaf(value: Any) -> Any:
+        land = landings.get(next(count))
+        if land is None:
+            return value
+        if land.then is not None:
+            land.then()
+        return land.value
+
+    return _rebuilt(skeleton, leaf) if landings else skeleton
+
+
+def _landings(comm: Communicator, header: Any, own_states: list[Any],
+              objects: tuple[Any, ...]) -> tuple[list[dict[int, _Landing]], str | None]:
+    """Where each announced tensor lands, per object (by leaf number); or why this rank refuses the
+    header: malformed, a dtype it doesn't know, more fresh memory than it may allocate (checked
+    before any is allocated)."""
+    if not (isinstance(header, list) and len(header) == len(own_states)
+            and all(isinstance(h, tuple) and len(h) == 2 and isinstance(h[1], list) for h in header)):
+        return [], "the state's header is malformed"
+    models = _own_dtensors(own_states, objects)
+    plans: list[dict[int, Callable[[], _Landing]]] = []
+    fresh = 0
+    for (skeleton, specs), own_state in zip(header, own_states, strict=True):
+        own = {_key(path): t for path, t in leaves(own_state) if isinstance(t, torch.Tensor)}
+        at = dict(enumerate(path for path, _ in leaves(skeleton)))
+        plans.append({})
+        for spec in specs:
+            checked = _checked(spec, at, plans[-1])
+            if isinstance(checked, str):
+                return [], checked
+            planned = _land(comm, checked, own.get(_key(at[checked[0]])), models)
+            if planned is None:
+                return [], f"this rank has no DTensor laid out as {checked[4]} to hold the shard announced"
+            fresh += planned[0]
+            plans[-1][checked[0]] = planned[1]
+    cap = PHYSICAL_MEMORY if comm.max_bytes is None else min(comm.max_bytes, PHYSICAL_MEMORY)
+    if fresh > cap:
+        return [], f"the state needs {fresh} bytes of fresh tensors here, over {_cap_name(comm)}"
+    return [{n: make() for n, make in plan.items()} for plan in plans], None
+
+
+def _cap_name(comm: Communicator) -> str:
+    return "this machine's memory" if comm.max_bytes is None else f"max_bytes={comm.max_bytes}"
+
+
+def _checked(spec: Any, at: dict[int, tuple[Any, ...]], taken: dict[int, Any]) -> Spec | str:
+    """``spec`` where it is well formed and names a leaf the skeleton left empty, once; else why not."""
+    if not (isinstance(spec, tuple) and len(spec) == 5):
+        return "a tensor's announcement is malformed"
+    n, dtype, shape, device, layout = spec
+    if type(n) is not int or n in taken or n not in at:
+        return f"a tensor's announcement names no free leaf of the state ({n!r})"
+    if dtype not in _DTYPES or device not in ("cpu", "cuda") or not (layout is None or isinstance(layout, str)):
+        return f"a tensor's announcement is not one this rank can hold: {dtype!r} on {device!r}"
+    if not (isinstance(shape, tuple) and len(shape) <= _MAX_DIMS and all(type(s) is int and s >= 0 for s in shape)):
+        return f"a tensor's shape is malformed: {shape!r}"
+    return n, dtype, shape, device, layout
+
+
+def _own_dtensors(own_states: list[Any], objects: tuple[Any, ...]) -> dict[str, Any]:
+    """This rank's DTensors by layout (its states', its optimizers' parameters'): what a fresh shard
+    (a newcomer's Adam moment) is laid out as."""
+    found: dict[str, Any] = {}
+    for t in state_tensors(own_states, objects):
+        if is_dtensor(t):
+            found.setdefault(layout_of(t), t)
+    return found
+
+
+def state_tensors(states: list[Any], objects: tuple[Any, ...]) -> Iterator[Any]:
+    """The tensors of ``states`` and the parameters of optimizers among ``objects``."""
+    for state in states:
+        yield from (t for _, t in leaves(state) if isinstance(t, torch.Tensor))
+    for obj in objects:
+        for group in getattr(obj, "param_groups", None) or ():
+            yield from (p for p in group.get("params", ()) if isinstance(p, torch.Tensor))
+
+
+def _land(comm: Communicator, spec: Spec, own: Any,
+          models: dict[str, Any]) -> tuple[int, Callable[[], _Landing]] | None:
+    """How many fresh bytes a tensor takes, and where it will land: into ``own`` (the receiver's
+    tensor at its key) where its dtype, shape and layout match, through a staging copy where that
+    isn't contiguous CPU memory; else into a fresh tensor (a DTensor's laid out as its model)."""
+    _, dtype_name, shape, device, layout = spec
+    dtype = _DTYPES[dtype_name]
+    size = math.prod(shape) * dtype.itemsize
+    if own is not None and _sendable(own) and (layout_of(own) if is_dtensor(own) else None) == layout:
+        local = local_of(own).detach()
+        if local.dtype == dtype and tuple(local.shape) == shape:
+            if local.device.type == "cpu" and local.is_contiguous():
+                return 0, lambda: _Landing(local, own)
+            return size, lambda: _staged(local, own)
+    if layout is not None and (layout not in models or local_shape(models[layout]) != shape):
+        return None
+    target = comm._cuda_target() if device == "cuda" else None
+    return size, lambda: _fresh(dtype, shape, target, models.get(layout) if layout else None)
+
+
+def _staged(local: torch.Tensor, own: Any) -> _Landing:
+    staged = torch.empty(local.shape, dtype=local.dtype)
+    return _Landing(staged, own, lambda: local.copy_(staged))
+
+
+def _fresh(dtype: torch.dtype, shape: tuple[int, ...], target: torch.device | None, model: Any) -> _Landing:
+    """A fresh tensor (on ``target`` where the sender's was on a GPU: copied on once the bytes
+    arrived), a DTensor laid out as ``model`` where it is one."""
+    buf = torch.empty(shape, dtype=dtype)
+    value = buf if target is None else torch.empty(shape, dtype=dtype, device=target)
+    then = None if target is None else (lambda: value.copy_(buf))
+    return _Landing(buf, value if model is None else like(model, value), then)

@@ -1,0 +1,147 @@
+"""sync_state's copy: tensors raw into the receiver's own, fresh ones bounded, and sharded state
+(FSDP2 over a 2 x 2 HSDP mesh) handed over within its shard class only."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import distcomm
+from distcomm.testing import spawn
+
+from ._helpers import count_calls
+
+
+def _peak_reset() -> int:
+    with open("/proc/self/clear_refs", "w") as f:  # (VmHWM back to the resident size)
+        f.write("5")
+    return _status("VmRSS")
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith(field + ":")).split()[1]) * 1024
+
+
+def _newcomer(comm: distcomm.Communicator) -> dict[str, Any]:
+    """Rank 0 holds a trained model and Adam (24 MiB); rank 1 is a newcomer with a fresh model and
+    an Adam without moments."""
+    torch.manual_seed(comm.rank)
+    model = torch.nn.Sequential(*(torch.nn.Linear(512, 512) for _ in range(8)))
+    opt = torch.optim.Adam(model.parameters())
+    if comm.rank == 0:
+        model(torch.randn(4, 512)).sum().backward()
+        opt.step()
+    comm._holds_state = comm.rank == 0
+    params = {n: (p, p.data_ptr()) for n, p in model.named_parameters()}
+    rss = _peak_reset()
+    comm.sync_state(model, opt)
+    rise = _status("VmHWM") - rss
+    comm.check_identical(model, opt)
+    moments = [s["exp_avg"] for s in opt.state.values()]
+    comm._holds_state = comm.rank == 0  # again: now into its own moments
+    comm.sync_state(model, opt)
+    return {"rise": rise, "size": 3 * sum(p.numel() * 4 for p in model.parameters()),
+            "own": all(p is dict(model.named_parameters())[n] and p.data_ptr() == ptr
+                       for n, (p, ptr) in params.items()),
+            "moments kept": all(a is s["exp_avg"] for a, s in zip(moments, opt.state.values(), strict=True)),
+            "weights": [p.detach().clone() for p in model.parameters()],
+            "step": float(opt.state[params["0.weight"][0]]["step"])}
+
+
+def test_a_newcomer_receives_into_its_own_tensors_within_the_states_size_of_memory() -> None:
+    holder, newcomer = spawn(_newcomer, 2, timeout=120)
+    assert newcomer["own"] and newcomer["moments kept"], newcomer
+    assert all(torch.equal(a, b) for a, b in zip(holder["weights"], newcomer["weights"], strict=True))
+    assert newcomer["step"] == 1.0
+    assert newcomer["rise"] <= newcomer["size"], (newcomer["rise"], newcomer["size"])
+
+
+def _over_max_bytes(comm: distcomm.Communicator) -> tuple[str, int]:
+    model = torch.nn.Linear(256, 256)
+    opt = torch.optim.Adam(model.parameters())
+    if comm.rank == 0:
+        model(torch.ones(1, 256)).sum().backward()
+        opt.step()
+    comm._holds_state = comm.rank == 0
+    with pytest.raises(distcomm.SerializationError) as caught:
+        comm.sync_state(model, opt)
+    return str(caught.value), len(opt.state)
+
+
+def test_fresh_tensors_over_max_bytes_are_refused_before_they_are_allocated() -> None:
+    """The moments (512 KiB fresh) are over max_bytes: the newcomer refuses before allocating, the
+    source sends nothing more, and the call fails on both ranks, at once."""
+    for text, moments in spawn(_over_max_bytes, 2, timeout=60, max_bytes=300 << 10):
+        assert "rank(s) [1] could not send or load the state rank 0 holds" in text, text
+        assert "fresh tensors here, over max_bytes=307200" in text, text
+    assert moments == 0
+
+
+# ---------------------------------------------------------------- FSDP2, HSDP over 2 x 2
+def _fsdp(comm: distcomm.Communicator, repair_holder: bool) -> dict[str, Any]:
+    """Ranks (replicate, shard): 0 (0, 0), 1 (0, 1), 2 (1, 0), 3 (1, 1); ranks 0 and 2 hold the same
+    shards, 1 and 3 the others. Rank 3 becomes a newcomer (garbled shards, a fresh Adam); with
+    ``repair_holder``, rank 2 also garbles one shard (a holder whose state differs)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    for step in range(2):
+        model(torch.randn(6, 8, generator=torch.Generator().manual_seed(step))).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    locals_ = [p.detach().to_local() for p in model.parameters()]
+    if comm.rank == 3:
+        with torch.no_grad():
+            for t in locals_:
+                t.normal_()
+        opt = torch.optim.Adam(model.parameters(), lr=0.1)
+        comm._holds_state = False
+    if comm.rank == 2 and repair_holder:
+        with torch.no_grad():
+            locals_[0].add_(1.0)
+    before = [t.clone() for t in locals_] + [s["exp_avg"].to_local().clone() for s in opt.state.values()]
+    sends = count_calls(comm, "isend")
+    with pytest.raises(distcomm.CollectiveMismatchError) as caught:
+        comm.check_identical(model, opt)
+    comm.sync_state(model, opt)
+    comm.check_identical(model, opt)  # (within each shard class)
+    after = [p.detach().to_local().clone() for p in model.parameters()] + \
+        [s["exp_avg"].to_local().clone() for s in opt.state.values()]
+    model(torch.randn(6, 8, generator=torch.Generator().manual_seed(9))).sum().backward()
+    opt.step()  # (the moments handed over are DTensors laid out as their parameters)
+    comm.check_identical(model, opt)
+    return {"error": str(caught.value), "ranks": caught.value.ranks, "sent": sends[0], "before": before,
+            "after": after, "own": all(p.detach().to_local().data_ptr() == t.data_ptr()
+                                       for p, t in zip(model.parameters(), locals_, strict=True)),
+            "moments": [type(s["exp_avg"]).__name__ for s in opt.state.values()]}
+
+
+@pytest.mark.parametrize("repair_holder", [False, True])
+def test_fsdp2_hsdp_state_goes_to_each_rank_from_a_holder_of_its_own_shards(repair_holder: bool) -> None:
+    out = spawn(lambda comm: _fsdp(comm, repair_holder), 4, timeout=180)
+    for r in range(4):
+        assert out[r]["ranks"] == ((2, 3) if repair_holder else (3,)), out[r]["error"]
+        assert out[r]["own"] and out[r]["moments"] == ["DTensor"] * 4, out[r]
+    assert "differs from rank 1's" in out[0]["error"], out[0]["error"]
+    # the newcomer now holds its class's source's shards, bit for bit; rank 1 sent them
+    assert all(torch.equal(a, b) for a, b in zip(out[3]["after"], out[1]["after"], strict=True))
+    assert not torch.equal(out[3]["after"][0], out[0]["after"][0])  # (the other class's shards)
+    assert out[1]["sent"] == 1 and out[3]["sent"] == 0
+    if repair_holder:
+        assert "differs from rank 0's" in out[0]["error"], out[0]["error"]
+        assert all(torch.equal(a, b) for a, b in zip(out[2]["after"], out[0]["after"], strict=True))
+        assert [o["sent"] for o in out] == [1, 1, 0, 0]
+    else:  # the other class is untouched, and nothing went to or from it
+        for r in (0, 2):
+            assert all(torch.equal(a, b) for a, b in zip(out[r]["before"], out[r]["after"], strict=True))
+        assert out[0]["sent"] == out[2]["sent"] == 0
