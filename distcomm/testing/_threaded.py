@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import gc
 import sys
 import threading
 import time
@@ -23,6 +24,7 @@ from .._errors import CollectiveError, CollectiveTimeoutError, DistCommError, Pe
 from .._one_at_a_time import COLLECTIVES
 from .._wire import frame as _frame
 from ._threaded_job import Lost, ThreadedJob, refuse_sub
+from ._torch_group import TorchGroup
 
 __all__ = ["ThreadedCommunicator", "run_threaded"]
 
@@ -162,6 +164,11 @@ class ThreadedCommunicator(Communicator):
         self._holding = False
         self._local = (rank, world.size)  # one machine
         self._split_gen = 0
+        # the job communicator this one was split from (itself for a job's), and each rank's rank
+        # there: a torch group's global ranks
+        self._root: ThreadedCommunicator = self
+        self._root_ranks = tuple(range(world.size))
+        self._torch_group: TorchGroup | None = None
         world.members[rank] = self
 
     @property
@@ -172,6 +179,24 @@ class ThreadedCommunicator(Communicator):
     def world_size(self) -> int:
         return self._world.size
 
+    @property
+    def group(self) -> TorchGroup:
+        """A torch ProcessGroup over this communicator's own collectives (made once, in the rank's
+        thread): DDP, FSDP and ``torch.distributed`` calls with ``group=comm.group`` run in the
+        threaded world. A job communicator's group is its rank thread's default group."""
+        if self._torch_group is None:
+            self._check_usable()  # (a closed communicator's would stay in torch's tables)
+            if self._root is not self:
+                _ = self._root.group  # (the default group first: a sub-group's ranks map into it)
+            self._torch_group = TorchGroup(self, self._root_ranks)
+            self._torch_group.register(default=self._root is self)
+        return self._torch_group
+
+    def _shutdown(self) -> None:
+        if self._torch_group is not None:
+            self._torch_group.unregister()
+        super()._shutdown()
+
     # ------------------------------------------------------------------ a job's membership
     @property
     def membership(self) -> Membership:
@@ -181,6 +206,12 @@ class ThreadedCommunicator(Communicator):
         refuse_sub(self, "shrink")
         if self._job is None:
             return self
+        if TorchGroup.made:
+            # A backward that failed leaves DDP's reducer expecting its hooks, and a process's first
+            # DDP is held by garbage cycles (from its lazy import of torch._dynamo) until the
+            # collector runs: alive when the next DDP's backward runs, its hooks fail that one
+            # ("marked ready twice"). Collected here, the old DDP goes as soon as the caller drops it.
+            gc.collect()
         world, membership = self._job.survivors(self._world, self.membership)
         return self._succeeded_by(world, membership)
 
@@ -352,8 +383,10 @@ class ThreadedCommunicator(Communicator):
                 made.setdefault(tuple(members), _World(len(members), parent=world))
         if mine is None:
             return None
-        return ThreadedCommunicator(made[tuple(mine)], mine.index(self._rank), job=self._job, job_rank=self._job_rank,
-                                    replacement=self._replacement, **self._sub_settings(timeout))
+        sub = ThreadedCommunicator(made[tuple(mine)], mine.index(self._rank), job=self._job, job_rank=self._job_rank,
+                                   replacement=self._replacement, **self._sub_settings(timeout))
+        sub._root, sub._root_ranks = self._root, tuple(self._root_ranks[r] for r in mine)
+        return sub
 
 
 def _counted(name: str) -> Callable[..., Any]:
