@@ -254,7 +254,8 @@ ADMIT = """
 
     comm = distcomm.from_env(timeout=60)
     if sys.argv[1] == "newcomer":
-        time.sleep(0.8)  # a start-up after from_env(), which the members wait for (it is told so)
+        comm.rank  # its first use: it joins the members here
+        time.sleep(0.8)  # a start-up after that, which the members wait for (it is told so)
         comm.broadcast(None)  # the state the members hand over at admission
         print(json.dumps({"rank": comm.rank, "world": comm.world_size, "state": comm.broadcast(None),
                           "admitted": comm.membership.admitted,
@@ -303,7 +304,7 @@ def test_members_admit_a_replacement_into_the_lost_ranks_place(tmp_path: Path) -
         states.append(got["state"])
     assert ended[4][1][-1]["rank"] == 2  # the replacement took the lost rank's place
     assert re.search(r"RuntimeWarning: distcomm: this replacement's first call came \d+\.\d\d s after", ended[4][2])
-    assert "every member waited for it that long; build the model and the optimizer before from_env()" in ended[4][2]
+    assert "every member waited for it that long: it joins them at its first use" in ended[4][2]
     assert len({json.dumps(s, sort_keys=True) for s in states}) == 1, states  # one state on every member
 
 

@@ -17,7 +17,7 @@ import datetime
 import secrets
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from .._calls import CallSpec, Op
@@ -31,6 +31,7 @@ from .._launching.rendezvous import (
     proof_key,
     ranks_in,
     refused_key,
+    seen_key,
     who_key,
 )
 from .._state import check_identical, sync_state
@@ -52,7 +53,7 @@ __all__ = ["Membership", "admission", "job_pids", "reformed", "remember_let_in",
 BREAK_SECONDS = 1.0
 """How long a shrink waits for its groups' waits to break before it goes on (the groups are held: ``deferred_free``)."""
 LATE_FIRST_CALL_SECONDS = 0.5
-"""A replacement whose first call comes this long after ``from_env()`` let it in is told: the members waited."""
+"""A replacement whose first call comes this long after the members let it in is told: they waited."""
 POLL_SECONDS = 0.05
 LEADER_POLL_SECONDS = 0.2
 
@@ -188,7 +189,9 @@ def waiting_newcomers(seat: Seat, members: Iterable[int],
     """The job's open round and the processes waiting in it: (job rank -> token) to let in, and
     (job rank -> (token, why)) to refuse: a process started as a rank that is a member and alive.
     One started for a member that is gone but not yet shrunk away waits on: the members' next
-    admit after their shrink lets it in. ``pids``: the members' on this machine, by job rank."""
+    admit after their shrink lets it in. Only one that proved the key comes in (it does so at its
+    first use: ``_launching.joining``); one refused nothing that hasn't yet is told it was seen.
+    ``pids``: the members' on this machine, by job rank."""
     job = _checked(seat)
     rnd = f"round-{int(job.add('round', 0))}"
     world = int(job.read(f"{rnd}/world") or 0)  # ("": a size refused)
@@ -206,9 +209,25 @@ def waiting_newcomers(seat: Seat, members: Iterable[int],
                 refused[r] = (token, f"rank {r} of the job is a member and alive ({_member_process(job, seat, r)}); "
                                      f"this process ({token}) was started as rank {r} too: a replacement takes the "
                                      f"rank of a lost one")
-        elif token not in _LET_IN and _proven(job.under(rnd), r, token):
-            newcomers[r] = token
+            elif r in pids:  # its member dead (its pid, here): it starts up meanwhile, and comes in after their shrink
+                _saw(job, rnd, r, token)
+        elif token not in _LET_IN:
+            if _proven(job.under(rnd), r, token):
+                newcomers[r] = token
+            else:  # not ready yet: it proves the key at its first use, and comes in at an admit after that
+                _saw(job, rnd, r, token)
     return rnd, newcomers, refused
+
+
+def _saw(job: Records, rnd: str, rank: int, token: str) -> None:
+    """Tell a newcomer not ready yet that the members saw it and refused it nothing: its
+    ``from_env()`` returns, and it starts up off the members' path (``_launching.joining``)."""
+    if token not in _SEEN:
+        job.set(f"{rnd}/{seen_key(rank, token)}", "1")
+        _SEEN.add(token)
+
+
+_SEEN: set[str] = set()
 
 
 def remember_let_in(seat: Seat) -> None:
@@ -260,15 +279,21 @@ def _member_process(job: Records, seat: Seat, rank: int) -> str:
     return said.decode() if said else f"job rank {rank}"
 
 
-def _decide(seat: Seat, members: tuple[int, ...], pids: dict[int, int]) -> tuple[str, tuple[int, ...]]:
+def _decide(seat: Seat, members: tuple[int, ...], pids: dict[int, int],
+            whole: Callable[[Iterable[int]], tuple[int, ...]] | None) -> tuple[str, tuple[int, ...]]:
     """Rank 0's part of an admit: the new membership's epoch and who comes in ("" and none when no
     one waits, or when a shrink of this membership began first). It is written down and claimed
     as this membership's successor before anyone is told, so that members who fail the admit's
-    broadcast (a rank died in it) find it and agree within it, with those who got it."""
+    broadcast (a rank died in it) find it and agree within it, with those who got it. ``whole``:
+    where the job's mesh has replicas, those of some ranks whose replica is all there (a replica
+    comes in whole: ``_mesh``)."""
     job = _checked(seat)
     rnd, newcomers, refused = waiting_newcomers(seat, members, pids)
     for r, (token, why) in refused.items():
         job.set(f"{rnd}/{refused_key(r, token)}", why)
+    if whole is not None:
+        entire = set(whole((*members, *newcomers)))
+        newcomers = {r: token for r, token in newcomers.items() if r in entire}
     if not newcomers:
         return "", ()
     epoch = _new_epoch(job)
@@ -356,13 +381,16 @@ def successor(seat: Seat) -> tuple[Seat, bool]:
 
 
 def warn_late_first_call(let_in_at: float) -> None:
-    """At a replacement's first call: warn where it came late. The members let it in when it waited
-    in ``from_env()``, and have waited in their first call with it (the state's hand-over) since."""
+    """At a replacement's first call: warn where it came late. The members let it in at its first use
+    of the communicator (``_launching.joining``): where that was a read (its rank, its group) rather
+    than a call, they have waited in their first call with it (the state's hand-over) since."""
     waited = time.monotonic() - let_in_at
     if waited > LATE_FIRST_CALL_SECONDS:
         warnings.warn(f"distcomm: this replacement's first call came {waited:.2f} s after the members let it in, "
-                      f"and every member waited for it that long; build the model and the optimizer before "
-                      f"from_env() (docs/elastic.md#the-whole-state-sync_state-and-check_identical)",
+                      f"and every member waited for it that long: it joins them at its first use of the "
+                      f"communicator, a call or a read of its rank, world size, group or membership; build the "
+                      f"model and the optimizer before that use "
+                      f"(docs/elastic.md#the-whole-state-sync_state-and-check_identical)",
                       RuntimeWarning, stacklevel=4)
 
 
@@ -388,7 +416,8 @@ def admission(comm: _TorchCommunicator, seconds: float | None) -> Seat | None:
     assert seat is not None
     members = comm.membership.job_ranks
     try:
-        decision = _decide(seat, members, job_pids(comm)) if comm.rank == 0 else None
+        whole = comm._mesh.layout.whole if comm._mesh is not None else None
+        decision = _decide(seat, members, job_pids(comm), whole) if comm.rank == 0 else None
     except DistCommError:
         raise
     except Exception as e:
@@ -444,7 +473,9 @@ class ElasticMethods:
 
     def admit(self, *, timeout: float | datetime.timedelta | None = None) -> Communicator:
         """A new communicator that includes the processes waiting to join the job (replacements
-        started with a lost rank's launcher variables); this one when no one waits.
+        started with a lost rank's launcher variables), from their first use of the communicator
+        ``from_env()`` gave them (before it, they start up while the members step on); this one
+        when no one waits.
 
         Collective: every member calls it, at a point where all agree (a step boundary). Members
         and newcomers are ordered by their launcher rank, so a replacement takes the place of the

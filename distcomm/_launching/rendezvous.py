@@ -40,8 +40,8 @@ from .._trust.key import KEY_VAR, JobKey
 from .._trust.records import Records
 
 __all__ = ["TICKET", "Seat", "admitted_key", "admitted_seat", "beat_key", "beat_of", "meet", "moving", "parse_url",
-           "pid_key", "proof_key", "prove_to_members", "ranks_in", "refused_key", "serve_store", "tcp_store",
-           "unreachable_here", "unresolved", "who_key"]
+           "meet_or_wait", "pid_key", "proof_key", "prove_to_members", "ranks_in", "refused_key", "rejoin",
+           "seen_key", "serve_store", "tcp_store", "unreachable_here", "unresolved", "who_key", "Waiting"]
 
 POLL_FIRST, POLL_LAST = 0.01, 0.5
 """Seconds between looks at the store while a process waits for its round: soon at first (ranks
@@ -92,17 +92,33 @@ class Seat:
 def meet(host: str, port: int, rank: int, world: int, seconds: float, *, scope: str = "",
          hosted: bool = True, what: str = "the rendezvous", key: JobKey | None = None) -> Seat:
     """Meet the other ranks of ``world`` at the store at ``host:port``; return this process's seat.
+    As ``meet_or_wait``, for a process that is ready to be let in at once (it waits on until it is)."""
+    seat = _meet(host, port, rank, world, seconds, scope=scope, hosted=hosted, what=what, key=key, ready=True)
+    assert isinstance(seat, Seat)  # (only a process not ready yet is left waiting)
+    return seat
+
+
+def meet_or_wait(host: str, port: int, rank: int, world: int, seconds: float, *, scope: str = "",
+                 hosted: bool = True, what: str = "the rendezvous", key: JobKey | None = None) -> Seat | Waiting:
+    """Meet the other ranks of ``world`` at the store at ``host:port``; return this process's seat,
+    or, for a replacement the members' ``admit()`` has seen waiting, a ``Waiting`` whose ``join``
+    lets it in once it is ready (its script's start-up is then off the members' path).
 
     Rank 0 serves the store unless ``hosted`` is False (a launcher's process does). A process that
     finds the job already running (its round complete without it) waits to be let in by the
-    members' ``admit()``, or for a round of every rank (a restart of the whole job). Its records
-    are signed with ``key``, the job's (see ``_trust``).
+    members' ``admit()`` to see it (and refuse it, or leave it to join once ready), or for a round of
+    every rank (a restart of the whole job). Its records are signed with ``key``, the job's (see ``_trust``).
 
     Raises:
         CollectiveTimeoutError: the store or some ranks didn't come within ``seconds``; names them.
         CommunicatorStateError: rank 0 could not listen on the port (another job holds it).
         ValueError: this process's world size or rank contradicts the job's (both named).
     """
+    return _meet(host, port, rank, world, seconds, scope=scope, hosted=hosted, what=what, key=key, ready=False)
+
+
+def _meet(host: str, port: int, rank: int, world: int, seconds: float, *, scope: str, hosted: bool, what: str,
+          key: JobKey | None, ready: bool) -> Seat | Waiting:
     deadline = time.monotonic() + seconds
     where = f"{what} at {host}:{port}"
     served = hosted and rank == 0 and port not in _SERVED
@@ -118,7 +134,9 @@ def meet(host: str, port: int, rank: int, world: int, seconds: float, *, scope: 
         job = Records(_c10d().PrefixStore(f"distcomm/{scope}", raw), key, f"distcomm/{scope}/")
         number = _take_place(job, rank, world, token, where)
         job.set(f"round-{number}/{pid_key(rank, token)}", f"{machine()}:{os.getpid()}")  # (see pid_key)
-        seat = _wait_for_round(job, number, rank, world, token, deadline, seconds, where, watch)
+        seat = _await_round(job, number, rank, world, token, deadline, seconds, where, watch, ready=ready)
+        if seat is None:  # seen by the members: it joins them once ready
+            return Waiting(job, number, rank, world, token, where, hosted, (host, port, served))
         return dataclasses.replace(seat, hosted=hosted)
     except BaseException as e:
         error = e
@@ -246,7 +264,18 @@ def _wait_for_round(job: Records, number: int, rank: int, world: int, token: str
     """Wait until round ``number`` is complete, or the members let this rank in; ``watch`` is looked at
     before each look at the store (torch's client prints a page of C++ frames for a call to a store
     that is gone)."""
+    seat = _await_round(job, number, rank, world, token, deadline, seconds, where, watch, ready=True)
+    assert seat is not None  # (only a process not ready yet is left waiting)
+    return seat
+
+
+def _await_round(job: Records, number: int, rank: int, world: int, token: str, deadline: float,
+                 seconds: float, where: str, watch: _StoreWatch, *, ready: bool) -> Seat | None:
+    """``_wait_for_round``; where not ``ready``, this process proves no key (the members let in
+    only those that did) and the wait also ends, with None, once the members have seen it."""
     rnd = job.under(f"round-{number}")
+    looked = ("complete", admitted_key(rank, token), refused_key(rank, token)) + (() if ready else
+                                                                                  (seen_key(rank, token),))
     found: list[str] = []
     holder = token
     proved = b""
@@ -255,8 +284,8 @@ def _wait_for_round(job: Records, number: int, rank: int, world: int, token: str
         while True:
             if watch.gone():
                 raise watch.went_away(rank, where)
-            found = [k for k in ("complete", admitted_key(rank, token), refused_key(rank, token)) if rnd.check([k])]
-            if number and rnd.key is not None:
+            found = [k for k in looked if rnd.check([k])]
+            if ready and number and rnd.key is not None:
                 proved = prove_to_members(job, rnd, rank, token, proved)
             holder = (rnd.read(f"rank/{rank}") or b"").decode()  # (another process in this place: told at once)
             if found or time.monotonic() > deadline or holder not in (token, ""):
@@ -276,7 +305,44 @@ def _wait_for_round(job: Records, number: int, rank: int, world: int, token: str
         return admitted_seat(job, rnd.get(admitted_key(rank, token)).decode(), rank, token, where)
     if not found:
         raise _missing(rnd, rank, world, seconds, where, watch)
+    if "complete" not in found:  # seen by the members, not let in: it joins them once ready
+        return None
     return Seat(job, f"round-{number}", rank, tuple(range(world)), token, where, True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Waiting:
+    """A replacement the members' ``admit()`` has seen waiting in round ``number`` (as ``rank`` of
+    ``world``, the process ``token``), not let in: it proves the job's key, which is what the members
+    let in on, only in ``join``. ``address``: the store's host and port, and whether this process
+    serves it."""
+
+    job: Records
+    number: int
+    rank: int
+    world: int
+    token: str
+    where: str
+    hosted: bool
+    address: tuple[str, int, bool]
+
+    def join(self, seconds: float) -> Seat:
+        """Prove the key and wait, within ``seconds``, until the members' next ``admit()`` lets this
+        process in (or its round completes: a restart of the whole job); its seat. Raises as ``meet``."""
+        host, port, serving = self.address
+        watch = _StoreWatch(host, port, hosted=self.hosted, serving=serving)
+        try:
+            seat = _wait_for_round(self.job, self.number, self.rank, self.world, self.token,
+                                   time.monotonic() + seconds, seconds, self.where, watch)
+        finally:
+            watch.close()
+        return dataclasses.replace(seat, hosted=self.hosted)
+
+
+def seen_key(rank: int, token: str) -> str:
+    """The key, in a round, that says the members' ``admit()`` saw the process ``token`` waiting as
+    ``rank`` and would let it in once it proves the key: its ``from_env()`` returns then."""
+    return f"seen/{rank}/{token}"
 
 
 def admitted_key(rank: int, token: str) -> str:
@@ -529,3 +595,17 @@ def _address_toward(host: str) -> str:
 def _ranks(ranks: list[int]) -> str:
     shown = ", ".join(map(str, ranks[:16]))
     return shown + (f" and {len(ranks) - 16} more" if len(ranks) > 16 else "")
+
+
+def rejoin(seat: Seat, world: int, seconds: float) -> Seat:
+    """Wait as a replacement does, until the members' ``admit()`` lets this process in again: a
+    member that the others' shrink left out while it lived (its replica lost a rank: see
+    ``_mesh``). A place of its own in the open round under a new token, proven with the job's key
+    over the members' ticket, as any newcomer's."""
+    token = f"{socket.gethostname()} pid {os.getpid()} {secrets.token_hex(8)}"
+    number = _take_place(seat.job, seat.job_rank, world, token, seat.where)
+    seat.job.set(f"round-{number}/{pid_key(seat.job_rank, token)}", f"{machine()}:{os.getpid()}")
+    watch = _StoreWatch("", 0, hosted=seat.hosted, serving=True)  # (its shrink saw the store there)
+    new = _wait_for_round(seat.job, number, seat.job_rank, world, token, time.monotonic() + seconds, seconds,
+                          seat.where, watch)
+    return dataclasses.replace(new, hosted=seat.hosted)

@@ -32,9 +32,10 @@ from .._transfer.messages import settle_limit
 from .._trust.handshake import prove_members, remember_ticket
 from .._trust.key import job_key
 from .._wire.memory import seconds as _seconds
+from .joining import joining
 from .launchers import LaunchEnv
 from .ports import free_port
-from .rendezvous import TICKET, Seat, meet, parse_url, unreachable_here, unresolved
+from .rendezvous import TICKET, Seat, Waiting, meet_or_wait, parse_url, unreachable_here, unresolved
 
 if TYPE_CHECKING:
     from .._torch import _TorchCommunicator
@@ -64,12 +65,8 @@ def start_from(cls: type[_TorchCommunicator], env: LaunchEnv, *,
     if env.node_rank is not None:
         kwargs.setdefault("machine", env.node_rank)
     url = f"tcp://{url_host(env.master_addr)}:{port}"
-    comm = start_world(cls, url, env.rank, env.world_size, env.local_rank, timeout=timeout, scope=env.job,
+    return start_world(cls, url, env.rank, env.world_size, env.local_rank, timeout=timeout, scope=env.job,
                        hosted=not (env.launcher_store or _store_apart()), launcher=env.launcher, **kwargs)
-    if env.rank in comm._admitted:  # a replacement, let in: the members wait for its first call
-        comm._let_in_at = time.monotonic()
-        comm._holds_state = False  # (until sync_state hands it the members')
-    return comm
 
 
 def _store_apart() -> bool:
@@ -90,27 +87,50 @@ def start_world(
     ranks meet (see ``meet``), under the job's key where the environment gives one (``job_key``);
     ``launcher`` names what started the process. For NCCL it binds
     ``cuda:<local_rank % device_count>`` first. The communicator becomes the process-wide default
-    (``distcomm.current()`` in every thread) until it is closed.
+    (``distcomm.current()`` in every thread) until it is closed. A replacement (a process the
+    members' ``admit()`` saw waiting) gets it at once, and joins the members at its first use
+    (``joining``): the members step on while its script starts up.
     """
     seconds = _seconds(timeout, DEFAULT_TIMEOUT)
     assert seconds is not None
     host, port = parse_url(url)
     key = job_key()  # (before anything connects: a bad key is refused on this rank alone, at once)
-    seat = meet(host, port, rank, world, seconds, scope=scope, hosted=hosted,
-                what=f"{launcher}'s rendezvous" if launcher else "the rendezvous", key=key)
+    seat = meet_or_wait(host, port, rank, world, seconds, scope=scope, hosted=hosted,
+                        what=f"{launcher}'s rendezvous" if launcher else "the rendezvous", key=key)
     if cls.backend == "nccl" and "device" not in kwargs:
         if not torch.cuda.is_available():
             raise CommunicatorStateError(
                 "NcclCommunicator needs CUDA and NCCL, and this machine has no CUDA device; "
                 "use GlooCommunicator on CPU")
         kwargs["device"] = torch.device("cuda", local_rank % torch.cuda.device_count())
+    if isinstance(seat, Waiting):
+        join = functools.partial(_join_when_ready, seat, cls, seconds, timeout, launcher, kwargs)
+        known = {"_device": kwargs["device"]} if "device" in kwargs else {}
+        return joining(cls, join, rank, world, _launcher=launcher, _timeout=seconds, _closed=False,
+                       _holds_state=False, **known)
     comm = start_seat(cls, seat, timeout=timeout, **kwargs)
     comm._launcher = launcher
     return comm
 
 
+def _join_when_ready(waiting: Waiting, cls: type[_TorchCommunicator], seconds: float,
+                     timeout: float | datetime.timedelta | None, launcher: str | None, kwargs: dict[str, Any],
+                     comm: Any) -> None:
+    """A replacement's first use: it proves the job's key, the members' next ``admit()`` lets it
+    in, and ``comm`` (the object its script holds) becomes the communicator of their new membership."""
+    seat = waiting.join(seconds)
+    comm.__class__ = cls  # (from here on a plain one, made in place)
+    start_seat(cls, seat, timeout=timeout, into=comm, **kwargs)
+    comm._launcher = launcher
+    let_in = seat.job_rank in seat.admitted  # (else the round completed: a restart of the whole job)
+    comm._holds_state = not let_in  # (a newcomer's, once sync_state hands it the members')
+    if let_in:  # the members wait for its first call from now (warn_late_first_call)
+        comm._let_in_at = time.monotonic()
+
+
 def start_seat(cls: type[_TorchCommunicator], seat: Seat, *, timeout: float | datetime.timedelta | None,
-               lost: tuple[int, ...] = (), pids: dict[int, int] | None = None, **kwargs: Any) -> Any:
+               lost: tuple[int, ...] = (), pids: dict[int, int] | None = None, into: Any = None,
+               **kwargs: Any) -> Any:
     """The default group of the membership ``seat`` names, and a ``cls`` communicator that owns it.
 
     Also where a shrink or an admit ends: each makes a new membership, and its group afresh. A
@@ -118,7 +138,7 @@ def start_seat(cls: type[_TorchCommunicator], seat: Seat, *, timeout: float | da
     on its survivors) is shrunk like any other, and its survivors form again; no new try starts
     once the timeout has passed. In the job's first round, where every rank must be there, a lost
     rank is an error naming it. ``pids`` are the members' pids this machine already knows (job
-    rank -> pid)."""
+    rank -> pid). ``into``: the object to make the communicator in (a replacement's: ``joining``)."""
     seconds = _seconds(timeout, DEFAULT_TIMEOUT)
     assert seconds is not None
     deadline = time.monotonic() + seconds
@@ -127,7 +147,7 @@ def start_seat(cls: type[_TorchCommunicator], seat: Seat, *, timeout: float | da
         while True:
             store = WatchedStore(seat, pids)
             try:
-                return _form(cls, seat, store, seconds, lost, timeout=timeout, **kwargs)
+                return _form(cls, seat, store, seconds, lost, into, timeout=timeout, **kwargs)
             except BaseException as e:
                 DEFERRED.hold(e, seconds)  # (its half-built groups: see _deferred_free)
                 failure = _broken(store, e)
@@ -149,7 +169,7 @@ def start_seat(cls: type[_TorchCommunicator], seat: Seat, *, timeout: float | da
 
 
 def _form(cls: type[_TorchCommunicator], seat: Seat, store: WatchedStore, seconds: float,
-          lost: tuple[int, ...], **kwargs: Any) -> Any:
+          lost: tuple[int, ...], into: Any, **kwargs: Any) -> Any:
     """One try at the membership's group, over ``store``; undone if it fails."""
     td = datetime.timedelta(seconds=seconds)
     rank, world = seat.rank, len(seat.members)
@@ -169,8 +189,8 @@ def _form(cls: type[_TorchCommunicator], seat: Seat, store: WatchedStore, second
             if rank == 0:
                 seat.job.set(TICKET, ticket)
         pids = store.known_pids(refresh=True)
-        comm = cls(None, _owns_default=True, _pids={i: pids[r] for i, r in enumerate(seat.members) if r in pids},
-                   _seat=seat, **kwargs)
+        comm = _made(cls, into, _owns_default=True, _pids={i: pids[r] for i, r in enumerate(seat.members) if r in pids},
+                     _seat=seat, **kwargs)
         comm._machines_declared = True  # the job's launcher knows its machines (the reference's launch())
         comm._store_by_rank0 = seat.hosted and seat.members[0] == 0  # job rank 0 serves it, if still here
         comm._job_ranks, comm._lost, comm._admitted = seat.members, lost, seat.admitted
@@ -187,6 +207,14 @@ def _form(cls: type[_TorchCommunicator], seat: Seat, store: WatchedStore, second
         # torch counts every group it starts to make: the next try's must have the name the others give it
         dist.distributed_c10d._world.group_count = 0
         raise
+
+
+def _made(cls: type[_TorchCommunicator], into: Any, **kwargs: Any) -> Any:
+    """A new ``cls`` communicator over the default group, or ``into`` made one in place."""
+    if into is None:
+        return cls(None, **kwargs)
+    cls.__init__(into, None, **kwargs)
+    return into
 
 
 def _broken(store: WatchedStore, error: BaseException) -> FormingFailed | None:
