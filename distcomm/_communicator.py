@@ -20,7 +20,7 @@ import operator
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal, ParamSpec, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar, cast
 
 import numpy as np
 import torch
@@ -45,6 +45,9 @@ from ._transfer.transport import TransportHooks
 from ._wire import frame as _frame
 from ._wire.memory import seconds
 from ._wire.serialization import Serializer, default_serializer
+
+if TYPE_CHECKING:
+    from ._mesh import ElasticMesh
 
 __all__ = ["COLLECTIVES", "DEFAULT_TIMEOUT", "Communicator"]
 
@@ -135,6 +138,8 @@ class Communicator(ObjectConveniences, PointToPoint, SubCommunicators, ElasticMe
     """The communicator a ``shrink()`` or ``admit()`` of this one made: ``use(comm)`` then follows it."""
     _let_in_at: float | None = None
     """When ``from_env()`` returned to a replacement the members let in: until its first call, they wait."""
+    _mesh: ElasticMesh | None = None
+    """The job's mesh (``device_mesh``), which every communicator of the job's later memberships follows."""
     _holds_state = True
     """Whether this rank holds the job's trained state: not a newcomer until ``sync_state`` hands it
     the members' (kept across shrink, admit and split: ``sync_state`` takes its source among these)."""

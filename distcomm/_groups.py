@@ -122,6 +122,26 @@ class SubCommunicators:
         comm._check_usable()
         return dup(comm, comm._op_timeout(timeout))
 
+    def device_mesh(self, mesh_shape: Sequence[int], mesh_dim_names: Sequence[str] | None = None) -> Any:
+        """Torch's ``DeviceMesh`` over this job's ranks (the arguments of torch's ``init_device_mesh``;
+        the device type follows the backend): ``fully_shard(model, mesh=comm.device_mesh((2, 2),
+        ("replicate", "shard")))`` is HSDP.
+
+        The mesh follows the job across ``shrink()`` and ``admit()``: FSDP is built once. Its
+        layout is by launcher rank, so a rank's coordinates never change. Where a dimension is
+        named "replicate" (or "dp_replicate"), each slice of the mesh along it is a replica, the
+        unit of failure: a shrink keeps the whole replicas only (the lost rank's replica peers
+        wait in ``shrink()`` until a replacement makes their replica whole, and the members'
+        ``admit()`` lets the replica in, whole); a loss that leaves no replica whole is
+        ``CommunicatorStateError`` on every survivor. Collective: every rank calls it, while the
+        job is whole (a newcomer too, once let in: its first call). One mesh per job.
+        """
+        comm = front_door(self)
+        comm._check_usable()
+        from ._mesh import device_mesh  # (imports torch's DeviceMesh: only where a mesh is asked for)
+
+        return device_mesh(comm, mesh_shape, mesh_dim_names)
+
     def new_group(self, ranks: Sequence[int], *,
                   timeout: float | datetime.timedelta | None = None) -> Communicator | None:
         """A communicator over ``ranks`` (of this communicator), ordered by rank; None off them.

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["class_key", "is_dtensor", "layout_of", "like", "local_of"]
+__all__ = ["class_key", "is_dtensor", "layout_of", "like", "local_of", "settle"]
 
 _DTensor: Any = None
 _local_part: Any = None
@@ -72,3 +72,18 @@ def local_shape(model: Any) -> tuple[int, ...]:
     """The shape of this rank's shard of a DTensor laid out as ``model``."""
     assert _local_part is not None
     return tuple(_local_part(model.shape, model.device_mesh, model.placements)[0])
+
+
+def settle(objects: Iterable[Any]) -> None:
+    """Put each FSDP2 model among ``objects`` (the module ``fully_shard`` was applied to last) back
+    between steps. A step that a lost rank broke leaves it mid-forward or mid-backward, parameters
+    unsharded and hooks half run; its next forward would then skip collectives its peers run, or
+    run others. Torch's ``reset_iter_state`` undoes that; the broken step's gradients go too (the
+    step is lost: the next one starts from none)."""
+    for obj in objects:
+        state = getattr(obj, "_get_fsdp_state", None)
+        if state is None or not hasattr(obj, "reset_iter_state") or state()._is_root is not True:
+            continue  # (not FSDP's, or not yet run: nothing to undo)
+        obj.reset_iter_state()
+        for p in obj.parameters():
+            p.grad = None

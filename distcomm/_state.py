@@ -21,7 +21,7 @@ from ._errors import (
     SerializationError,
 )
 from ._fingerprint import entries, fingerprint, path_text, shown
-from ._sharded import class_key
+from ._sharded import class_key, settle
 from ._state_copy import moves_bytes, receive_state, send_state, state_tensors
 from ._wire.serialization import AuthenticatedSerializer, SafeSerializer, Serializer, serializing_with
 
@@ -39,6 +39,7 @@ def sync_state(comm: Communicator, objects: tuple[Any, ...], allow: Iterable[Any
 
     What peers send is loaded with the safe loader (and the classes in ``allow``): state is
     tensors and plain values, so even a member can send wrong numbers, never code."""
+    settle(objects)
     with serializing_with(_state_serializer(comm, allow)):
         states, survey = _survey(comm, objects, Op.SYNC_STATE, digests=False)
         plan = _plan(comm, objects, states, survey)

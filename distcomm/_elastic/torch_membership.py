@@ -4,6 +4,7 @@ breaking the waits on its groups (torch's own included), and letting go of the o
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import threading
@@ -12,10 +13,13 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch.distributed as dist
 
+from .._errors import CommunicatorStateError, is_rank_loss
 from .._handles import Queues
+from .._launching.rendezvous import Seat, rejoin
 from .._launching.start import start_seat
 from . import membership as _membership
 from .deferred_free import DEFERRED
+from .keepalive import keep_alive
 from .membership import Membership
 from .waits import break_groups
 
@@ -46,8 +50,11 @@ class TorchMembership:
             comm._check_usable()
         settings = comm._rebuild_settings()
         pids = _membership.job_pids(comm)
-        seat, lost = _membership.survivors(comm, comm._op_timeout(timeout), pids)
-        return comm._succeeded_by(start_seat(type(comm), seat, lost=lost, pids=pids, **settings))
+        seconds = comm._op_timeout(timeout)
+        seat, lost = _membership.survivors(comm, seconds, pids)
+        if comm._mesh is not None:
+            seat = _whole_replicas(comm, seat, lost, seconds)
+        return comm._succeeded_by(start_seat(type(comm), seat, lost=lost, pids=pids, **settings), timeout)
 
     def admit(self, *, timeout: float | datetime.timedelta | None = None) -> Communicator:
         comm = _torch_comm(self)
@@ -61,13 +68,22 @@ class TorchMembership:
         pids = _membership.job_pids(comm)
         comm._retire_subs("admit")
         comm.close()
-        return comm._succeeded_by(start_seat(type(comm), seat, pids=pids, **settings))
+        return comm._succeeded_by(start_seat(type(comm), seat, pids=pids, **settings), timeout)
 
-    def _succeeded_by(self, new: Communicator) -> Communicator:
+    def _succeeded_by(self, new: Communicator, timeout: float | datetime.timedelta | None) -> Communicator:
+        """``new``, made by this one's shrink or admit, once it took over what this one had."""
         comm = _torch_comm(self)
         comm._successor = new  # use(comm) follows it
         new._launcher = comm._launcher  # (the same processes, started by the same launcher)
         new._holds_state = comm._holds_state  # (and the same state)
+        new._mesh = comm._mesh
+        if new._mesh is not None:
+            try:
+                new._mesh.follow(new)  # (FSDP's groups: the first collective of the new membership)
+            except Exception as e:
+                if not is_rank_loss(e):
+                    raise
+                return new.shrink(timeout=timeout)  # (a rank lost as the membership began)
         return new
 
     def _rebuild_settings(self) -> dict[str, Any]:
@@ -135,3 +151,22 @@ class TorchMembership:
                 held += sub._abandon()
         comm._subs = weakref.WeakSet()
         return held
+
+
+def _whole_replicas(comm: _TorchCommunicator, seat: Seat, lost: tuple[int, ...], seconds: float | None) -> Seat:
+    """The survivors' seat where the job's mesh has replicas: only the whole ones go on. A rank of a
+    replica that lost one waits, as a replacement does, until the members let its replica in whole
+    again (it is then a newcomer: its state fell behind); its seat is then that membership's."""
+    assert comm._mesh is not None
+    layout = comm._mesh.layout
+    kept = layout.whole(seat.members)
+    if not kept:
+        raise CommunicatorStateError(
+            f"shrink: lost job rank(s) {list(lost)}, and no replica of the job's mesh {layout.shape} {layout.names} "
+            f"is whole: the model's shards are gone with them, and the job can't go on; start it again from a "
+            f"checkpoint")
+    if seat.job_rank in kept:
+        return dataclasses.replace(seat, members=kept, admitted=tuple(r for r in seat.admitted if r in kept))
+    comm._holds_state = False
+    keep_alive.unwatch()  # (no membership of its own until let in)
+    return rejoin(seat, layout.size, 3600.0 * 24 if seconds is None else seconds)

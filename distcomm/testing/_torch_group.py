@@ -18,13 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import (  # type: ignore[attr-defined]
-    _create_work_from_future,
-    _register_process_group,
-    _unregister_process_group,
-)
+from torch._C._distributed_c10d import _create_work_from_future  # type: ignore[attr-defined]
 from torch.distributed import distributed_c10d as c10d
 from torch.distributed.distributed_c10d import GroupName
+
+from .._torch_tables import enter, leave
 
 if TYPE_CHECKING:
     from .._communicator import Communicator
@@ -90,13 +88,7 @@ class TorchGroup(dist.ProcessGroup):
     def register(self, default: bool) -> None:
         """Enter this group in torch's tables (``default``: as this thread's default group too)."""
         world = _install()
-        world.pg_map[self] = (BACKEND, None)
-        world.pg_names[self] = self._name
-        world.pg_group_ranks[self] = {g: r for r, g in enumerate(self._global_ranks)}
-        world.pg_backend_config[self] = BACKEND
-        world.tags_to_pg.setdefault(self._name, []).append(self)
-        world.pg_to_tag[self] = self._name
-        _register_process_group(self._name, self)  # (functional collectives resolve a group by name)
+        enter(self, self._name, self._global_ranks, BACKEND, BACKEND)
         self._registered = True
         if default:
             world.set_thread_default(self)
@@ -106,13 +98,8 @@ class TorchGroup(dist.ProcessGroup):
         if not self._registered:
             return
         self._registered = False
-        world = _install()
-        world.drop_default(self)
-        for table in (world.pg_map, world.pg_names, world.pg_group_ranks, world.pg_backend_config,
-                      world.pg_to_tag, world.pg_coalesce_state):
-            table.pop(self, None)
-        world.tags_to_pg.pop(self._name, None)
-        _unregister_process_group(self._name)
+        _install().drop_default(self)
+        leave(self, self._name)
         _forget_active_ddp(self)
 
     # ------------------------------------------------------------------ collectives

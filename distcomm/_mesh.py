@@ -1,0 +1,209 @@
+"""``comm.device_mesh()``: torch's ``DeviceMesh`` over a communicator, that follows it across
+``shrink()`` and ``admit()``, so that FSDP (``fully_shard(model, mesh=...)``) is built once.
+
+FSDP holds the process groups of the mesh it was given, so the mesh's groups can't be replaced:
+each dimension's group of this rank is a ``FollowingGroup``, a torch group that forwards every
+call to that dimension's group of the communicator's current membership. Those are remade (as
+``split``s, proven like any group distcomm makes) by every member whenever a membership is made.
+
+The mesh's layout is the job's, by launcher rank: a rank's coordinates never change, so FSDP's
+shards stay where they are. With a dimension named "replicate" (or "dp_replicate", as HSDP's),
+the slice of the mesh at one replicate coordinate is a *replica*, the unit of failure: a shrink
+keeps only the whole replicas, the lost rank's replica peers wait until a replacement makes it
+whole, and the members' ``admit()`` lets a replica in only whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import GroupName
+
+from ._errors import CommunicatorStateError
+from ._torch_tables import enter
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from ._communicator import Communicator
+
+__all__ = ["ElasticMesh", "FollowingGroup", "MeshLayout", "device_mesh"]
+
+REPLICA_DIM_NAMES = ("replicate", "dp_replicate")
+"""A mesh dimension by one of these names counts replicas (HSDP's): each holds the whole model."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshLayout:
+    """A mesh's shape over the job's ranks, in launcher-rank (row-major) order."""
+
+    shape: tuple[int, ...]
+    names: tuple[str, ...]
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def replica_dim(self) -> int | None:
+        return next((d for d, name in enumerate(self.names) if name in REPLICA_DIM_NAMES), None)
+
+    def coords(self, job_rank: int) -> tuple[int, ...]:
+        return tuple(int(c) for c in np.unravel_index(job_rank, self.shape))
+
+    def line(self, dim: int, job_rank: int) -> int:
+        """Which of dimension ``dim``'s groups ``job_rank`` is in: its coordinates on the other dimensions."""
+        rest = [c for d, c in enumerate(self.coords(job_rank)) if d != dim]
+        return int(np.ravel_multi_index(rest, [s for d, s in enumerate(self.shape) if d != dim])) if rest else 0
+
+    def replica(self, job_rank: int) -> int:
+        """The replica ``job_rank`` belongs to (a mesh without a replicate dimension is one replica)."""
+        dim = self.replica_dim
+        return 0 if dim is None else self.coords(job_rank)[dim]
+
+    def whole(self, job_ranks: Iterable[int]) -> tuple[int, ...]:
+        """Those of ``job_ranks`` whose replica is all there."""
+        present = set(job_ranks)
+        by_replica: dict[int, list[int]] = {}
+        for r in range(self.size):
+            by_replica.setdefault(self.replica(r), []).append(r)
+        return tuple(sorted(r for ranks in by_replica.values() if present.issuperset(ranks) for r in ranks))
+
+
+class FollowingGroup(dist.ProcessGroup):
+    """A torch process group that forwards every call to another one, which can be changed: FSDP
+    keeps this one, and it follows the communicator's memberships."""
+
+    def __init__(self, name: str, target: Any) -> None:
+        super().__init__(target.rank(), target.size())  # type: ignore[call-arg]
+        self._name = GroupName(name)
+        self._target = target
+
+    def follow(self, target: Any) -> None:
+        self._target = target
+
+    def rank(self) -> int:
+        return int(self._target.rank())
+
+    def size(self) -> int:
+        return int(self._target.size())
+
+    @property
+    def group_name(self) -> GroupName:
+        return self._name
+
+    def getBackendName(self) -> str:
+        return str(dist.get_backend(self._target))
+
+    def shutdown(self) -> None:
+        """Torch shuts down every group it knows when a default group is destroyed (a shrink
+        destroys the broken membership's); this one outlives memberships."""
+
+    def __repr__(self) -> str:
+        return f"FollowingGroup({self._name!r}, rank={self.rank()}, size={self.size()})"
+
+
+_FORWARDED = (
+    "allreduce", "allreduce_coalesced", "allgather", "allgather_coalesced", "all_gather_single",
+    "all_gather_single_coalesced", "_allgather_base", "allgather_into_tensor_coalesced", "broadcast", "reduce",
+    "reduce_scatter", "reduce_scatter_single", "reduce_scatter_single_coalesced", "_reduce_scatter_base",
+    "reduce_scatter_tensor_coalesced", "alltoall", "all_to_all_single", "alltoall_base", "barrier", "send", "recv",
+    "recv_anysource", "gather", "scatter", "monitored_barrier",
+)
+
+
+def _forwarder(name: str) -> Any:
+    def forward(self: FollowingGroup, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self._target, name)(*args, **kwargs)
+    forward.__name__ = name
+    return forward
+
+
+for _name in _FORWARDED:
+    setattr(FollowingGroup, _name, _forwarder(_name))
+
+_NAMES = itertools.count()
+
+
+class ElasticMesh:
+    """The mesh a job's communicators share: its layout, torch's ``DeviceMesh`` and the groups it follows."""
+
+    def __init__(self, comm: Communicator, layout: MeshLayout, device_type: str) -> None:
+        self.layout = layout
+        subs = self._lines(comm)
+        serial = next(_NAMES)
+        self.groups = [FollowingGroup(f"distcomm-mesh-{serial}-{layout.names[d]}", sub.group)
+                       for d, sub in enumerate(subs)]
+        self._register(subs)
+        from torch.distributed.device_mesh import DeviceMesh
+
+        ranks = torch.arange(layout.size, dtype=torch.int).reshape(layout.shape)  # (global ranks: the job is whole)
+        groups: list[dist.ProcessGroup] = list(self.groups)
+        self.torch_mesh: DeviceMesh = DeviceMesh.from_group(
+            groups if len(groups) > 1 else groups[0], device_type,
+            mesh=ranks if len(self.groups) > 1 else ranks.flatten().tolist(), mesh_dim_names=layout.names)
+
+    def follow(self, comm: Communicator) -> None:
+        """Point the mesh's groups at ``comm``'s (a collective of its members: every one of them
+        that holds the mesh calls it as its membership is made, a newcomer in its ``device_mesh()``)."""
+        subs = self._lines(comm)
+        for group, sub in zip(self.groups, subs, strict=True):
+            group.follow(sub.group)
+        self._register(subs)
+
+    def _lines(self, comm: Communicator) -> list[Communicator]:
+        """This rank's group along each dimension, of ``comm``'s members (made on every member in the same order)."""
+        me = comm.membership.job_ranks[comm.rank]
+        subs = []
+        for dim in range(len(self.layout.shape)):
+            sub = comm.split(self.layout.line(dim, me), key=self.layout.coords(me)[dim])
+            assert sub is not None
+            subs.append(sub)
+        return subs
+
+    def _register(self, subs: Sequence[Communicator]) -> None:
+        """Tell torch about the groups (a destroyed default group took every group torch knew)."""
+        c10d = dist.distributed_c10d
+        for group, sub in zip(self.groups, subs, strict=True):
+            target = sub.group
+            enter(group, group.group_name, dist.get_process_group_ranks(target), c10d._world.pg_map[target][0],
+                  c10d._world.pg_backend_config.get(target, ""))
+
+
+def device_mesh(comm: Communicator, mesh_shape: Sequence[int], mesh_dim_names: Sequence[str] | None) -> DeviceMesh:
+    """``Communicator.device_mesh``."""
+    layout = _layout(comm, mesh_shape, mesh_dim_names)
+    held = comm._mesh
+    if held is not None:
+        if held.layout != layout:
+            raise ValueError(f"device_mesh{layout.shape}: this job's communicator already has a mesh of shape "
+                             f"{held.layout.shape} {held.layout.names}; one mesh per job")
+        return held.torch_mesh
+    if comm.group is None:
+        raise CommunicatorStateError(f"device_mesh needs torch process groups; this {type(comm).__name__} has none")
+    if comm.membership.job_ranks != tuple(range(layout.size)):
+        raise CommunicatorStateError(
+            f"device_mesh: make the mesh while the job is whole (every one of its {layout.size} ranks a member; "
+            f"this membership is {list(comm.membership.job_ranks)}): it follows shrinks and admits from there")
+    comm._mesh = ElasticMesh(comm, layout, comm.device.type)
+    return comm._mesh.torch_mesh
+
+
+def _layout(comm: Communicator, mesh_shape: Sequence[int], mesh_dim_names: Sequence[str] | None) -> MeshLayout:
+    shape = tuple(mesh_shape)
+    if not shape or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in shape):
+        raise ValueError(f"device_mesh: mesh_shape must be positive ints, got {mesh_shape!r}")
+    names = tuple(mesh_dim_names) if mesh_dim_names is not None else tuple(f"dim{d}" for d in range(len(shape)))
+    if len(names) != len(shape) or len(set(names)) != len(names) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"device_mesh: mesh_dim_names must be {len(shape)} distinct strings, got {mesh_dim_names!r}")
+    job = len(comm.membership.job_ranks) if comm._mesh is None else comm._mesh.layout.size
+    if math.prod(shape) != job and comm._mesh is None:
+        raise ValueError(f"device_mesh: a mesh of shape {shape} has {math.prod(shape)} ranks; this job has {job}")
+    return MeshLayout(shape, names)

@@ -1,0 +1,136 @@
+"""HSDP (FSDP2 over ``comm.device_mesh``) outlives a lost rank, under ``python -m distcomm run``: the
+replica is the unit of failure. The other replica steps on, with the gradient averaged over the
+replicas left; the lost rank's replica peer waits in ``shrink()`` until the replacement makes the
+replica whole; ``admit()`` lets both in, and ``sync_state`` hands each its own shards. A loss that
+leaves no replica whole fails every survivor, saying the job can't go on."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from .test_run_agent import _agent, _ended, _script
+
+HSDP_JOB = """
+    import json, os, signal, sys, time
+    import torch
+    from torch.distributed.fsdp import fully_shard
+    import distcomm
+
+    shape, victims, steps = tuple(json.loads(sys.argv[1])), set(json.loads(sys.argv[2])), int(sys.argv[3])
+    comm = distcomm.from_env()
+    mesh = comm.device_mesh(shape, ("replicate", "shard"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    plain = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x = torch.randn(256, 8, generator=torch.Generator().manual_seed(0))
+    y = x.sum(1, keepdim=True)
+    progress, share, events = {"step": 0}, True, []
+    original = comm.membership.job_ranks[comm.rank] not in comm.membership.admitted
+
+    def expected_grads(n):
+        # the mean over the membership's ranks of each rank's gradient, on one unsharded model
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), plain.parameters()):
+                q.copy_(p.full_tensor())
+        plain.zero_grad()
+        for r in range(n):
+            (torch.nn.functional.mse_loss(plain(x[r::n]), y[r::n]) / n).backward()
+        return [q.grad.clone() for q in plain.parameters()]
+
+    def say(**what):
+        print(json.dumps({"job_rank": comm.membership.job_ranks[comm.rank], "step": progress["step"], **what}),
+              flush=True)
+
+    worst = 0.0
+    while True:
+        try:
+            if share:
+                comm.sync_state(model, opt, progress)
+                share = False
+            if progress["step"] >= steps:
+                break
+            me = comm.membership.job_ranks[comm.rank]
+            if me in victims and progress["step"] == 5 and original:
+                os.kill(os.getpid(), signal.SIGKILL)
+            n, r = comm.world_size, comm.rank
+            want = expected_grads(n)
+            torch.nn.functional.mse_loss(model(x[r::n]), y[r::n]).backward()
+            for p, w in zip(model.parameters(), want):
+                worst = max(worst, (p.grad.full_tensor() - w).abs().max().item())
+            opt.step()
+            opt.zero_grad()
+            progress["step"] += 1
+            time.sleep(0.05)
+            new = comm.admit()
+            if new is not comm:
+                comm, share = new, True
+                say(admitted=list(comm.membership.admitted), members=list(comm.membership.job_ranks))
+        except Exception as e:
+            if not distcomm.is_rank_loss(e):
+                raise
+            t = time.monotonic()
+            try:
+                comm, share = comm.shrink(), True
+            except distcomm.CommunicatorStateError as e:
+                say(refused=str(e))
+                sys.exit(3)
+            say(shrink_seconds=time.monotonic() - t, members=list(comm.membership.job_ranks))
+    comm.check_identical(model, opt)
+    shards = [p.to_local().detach().flatten().tolist() for p in model.parameters()]
+    say(done=True, members=list(comm.membership.job_ranks), worst_grad_error=worst, shards=shards)
+    comm.close()
+"""
+
+
+def _lines(text: str) -> list[dict[str, Any]]:
+    """The JSON lines the workers printed (``[rankN]: {...}``), in order."""
+    out = []
+    for line in text.splitlines():
+        body = line.partition("]: ")[2]
+        if body.startswith("{"):
+            out.append(json.loads(body))
+    return out
+
+
+def test_the_other_replica_steps_on_and_the_lost_one_comes_back_whole(tmp_path: Path) -> None:
+    job = _script(tmp_path, HSDP_JOB)
+    agent = _agent("--nproc-per-node", "4", "--replacements", "1", job, "[2, 2]", "[3]", "30")
+    code, out, err = _ended(agent, timeout=240)
+    assert code == 0, err[-3000:]
+    said = _lines(out)
+    shrinks = {d["job_rank"]: d for d in said if "shrink_seconds" in d}
+    assert shrinks[0]["members"] == shrinks[1]["members"] == [0, 1], shrinks  # the healthy replica went on alone
+    assert shrinks[2]["members"] == [0, 1, 2, 3], shrinks  # its peer waited until its replica was whole again
+    admits = [d for d in said if "admitted" in d]
+    assert {d["job_rank"] for d in admits} == {0, 1} and all(d["admitted"] == [2, 3] for d in admits), admits
+    assert shrinks[2]["step"] < admits[0]["step"], (shrinks, admits)  # the healthy replica stepped meanwhile
+    done = {d["job_rank"]: d for d in said if d.get("done")}
+    assert sorted(done) == [0, 1, 2, 3] and all(d["step"] == 30 and d["members"] == [0, 1, 2, 3] for d in done.values())
+    # the replicas agree, bit for bit
+    assert done[0]["shards"] == done[2]["shards"] and done[1]["shards"] == done[3]["shards"]
+    assert done[0]["shards"] != done[1]["shards"]
+    # every step's gradient, with 2 replicas and with 1, was the mean over the membership's ranks
+    assert all(d["worst_grad_error"] < 1e-5 for d in done.values()), done
+
+
+def test_a_loss_in_every_replica_ends_the_job_saying_why(tmp_path: Path) -> None:
+    job = _script(tmp_path, HSDP_JOB)
+    code, out, err = _ended(_agent("--nproc-per-node", "4", job, "[2, 2]", "[1, 3]", "30"), timeout=180)
+    assert code != 0
+    refused = {d["job_rank"]: d["refused"] for d in _lines(out) if "refused" in d}
+    assert sorted(refused) == [0, 2], (refused, err[-3000:])
+    assert all("no replica of the job's mesh (2, 2)" in text and "can't go on" in text for text in refused.values())
+
+
+def test_a_mesh_of_one_replica_cannot_lose_a_rank(tmp_path: Path) -> None:
+    job = _script(tmp_path, HSDP_JOB)
+    code, out, err = _ended(_agent("--nproc-per-node", "2", job, "[1, 2]", "[1]", "30"), timeout=180)
+    assert code != 0
+    refused = {d["job_rank"]: d["refused"] for d in _lines(out) if "refused" in d}
+    assert list(refused) == [0] and "lost job rank(s) [1]" in refused[0], (refused, err[-3000:])
