@@ -71,6 +71,24 @@ class JobStore:
                     found.add(int(pid))
         return found
 
+    def waiting(self) -> set[int]:
+        """The pids of this machine's processes that wait in a round of the job to be let in: not
+        yet admitted, in a round that never completed (a first meeting did)."""
+        keys = self._keys()
+        done = {k.rpartition("/")[0] for k in keys if k.endswith("/complete")}
+        records = self._records()
+        found = set()
+        for key in keys:
+            head, sep, rest = key.rpartition("/pid/")
+            if not sep or head in done or records.check([f"{head}/admitted/{rest}"]):
+                continue
+            said = records.read(key)
+            if said:
+                where, _, pid = said.decode().rpartition(":")
+                if where == machine():
+                    found.add(int(pid))
+        return found
+
     def beating(self) -> bool:
         """Whether some member's keep-alive beat moves (the job goes on, here or on other machines)."""
         keys = [k for k in self._keys() if re.search(r"/alive/\d+$", k)]
@@ -113,6 +131,7 @@ def wait_elastic(processes: list[Any], grace: float, raised: Callable[[int, int]
     the failed ones, as ``wait_until_failure`` does."""
     left = replacements
     started_again: set[int] = set()
+    look_again = 0.0
     while True:
         seen = list(processes)
         codes = [p.exitcode for p in seen]  # read once per look (see wait_until_failure)
@@ -138,26 +157,49 @@ def wait_elastic(processes: list[Any], grace: float, raised: Callable[[int, int]
         running = [i for i, p in enumerate(processes) if codes[i] is None or (p is not seen[i] and p.exitcode is None)]
         if not running:
             return {}
-        if all(i in started_again for i in running):
+        if time.monotonic() >= look_again:  # (a look lists the store's keys: not every second)
+            look_again = time.monotonic() + WAITING_LOOK_SECONDS
+            idle = started_again | _waiting(processes, running, started_again, job)
+        else:
+            idle = set(started_again)
+        if all(i in idle for i in running):
             let_in = job.admitted()  # (one that the members let in is one of them: its end is waited for)
             started_again -= {i for i in running if processes[i].pid in let_in}
-            if all(i in started_again for i in running) and not job.beating():
-                _end_unadmitted(processes, started_again, first, grace, say)  # the job ended before they came in
+            idle -= {i for i in running if processes[i].pid in let_in}
+            if all(i in idle for i in running) and not job.beating():
+                _end_unadmitted(processes, idle, started_again, first, grace, say)  # the job ended before they came in
                 return {}
         _sleep_on([processes[i] for i in running], 1.0)
 
 
-def _end_unadmitted(processes: Sequence[Any], started_again: set[int], first: int, grace: float,
+WAITING_LOOK_SECONDS = 5.0
+"""How often the agent looks for first processes that wait to be let in again."""
+
+
+def _waiting(processes: Sequence[Any], running: list[int], started_again: set[int], job: JobStore) -> set[int]:
+    """The running first processes that wait to be let in again (a rank whose replica lost another:
+    it waits in ``shrink()`` until the replica is whole), looked for only once every other running
+    process is such a one or started again."""
+    if all(i in started_again for i in running):
+        return set()
+    waiting = job.waiting()
+    return {i for i in running if processes[i].pid in waiting}
+
+
+def _end_unadmitted(processes: Sequence[Any], idle: set[int], started_again: set[int], first: int, grace: float,
                     say: Callable[[str], None]) -> None:
-    """Processes started again after the members ended: they wait to be let into a job that is
-    over. Given ``grace`` seconds to end of their own, then ended."""
-    waiting = [(i, processes[i]) for i in sorted(started_again) if processes[i].exitcode is None]
+    """Processes that wait to be let into a job that is over (started again after the members
+    ended, or a rank whose replica was never whole again). Given ``grace`` seconds to end of their
+    own, then ended."""
+    waiting = [(i, processes[i]) for i in sorted(idle) if processes[i].exitcode is None]
     _sleep_on([p for _, p in waiting], grace)
     for i, p in waiting:
         if p.exitcode is None:
             p.terminate()
             p.join(5.0)
-            say(f"rank {first + i} (pid {p.pid}), started again, was never admitted: the others had ended")
+            how = ("started again, was never admitted" if i in started_again
+                   else "waited for its replica to be whole again, and was ended")
+            say(f"rank {first + i} (pid {p.pid}), {how}: the others had ended")
 
 
 class _Ended:

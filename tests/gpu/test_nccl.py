@@ -148,6 +148,33 @@ def test_a_shrink_that_lost_no_one_remakes_the_nccl_group(tmp_path: Any) -> None
                            for r in range(n))
 
 
+def test_an_fsdp_mesh_follows_a_shrink_on_nccl(tmp_path: Any) -> None:
+    """comm.device_mesh() on NCCL: FSDP2 over the mesh steps on the GPU, and again after a shrink
+    (that lost no one: one GPU) remade the mesh's NCCL groups under it, FSDP untouched."""
+    n = world()
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import torch, distcomm\n"
+        "from torch.distributed.fsdp import fully_shard\n"
+        "comm = distcomm.from_env(timeout=120)\n"
+        "mesh = comm.device_mesh((1, comm.world_size), ('replicate', 'shard'))\n"
+        "model = torch.nn.Linear(16, 16, device=comm.device)\n"
+        "fully_shard(model, mesh=mesh)\n"
+        "opt = torch.optim.Adam(model.parameters())\n"
+        "def step():\n"
+        "    model(torch.randn(8, 16, device=comm.device)).sum().backward(); opt.step(); opt.zero_grad()\n"
+        "step()\n"
+        "comm = comm.shrink()\n"
+        "comm.sync_state(model, opt)\n"
+        "step()\n"
+        "comm.check_identical(model, opt)\n"
+        "print('MESH', mesh.device_type, mesh.get_group('shard').size(), comm.membership.job_ranks, flush=True)\n"
+        "comm.close()\n")
+    out = _torchrun(script, n)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("MESH")]
+    assert lines == [f"MESH cuda {n} {tuple(range(n))}"] * n
+
+
 def _torchrun(script: Any, n: int) -> subprocess.CompletedProcess[str]:
     """``script`` under torchrun with ``n`` processes on this machine; it must succeed."""
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--master-addr",
