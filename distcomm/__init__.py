@@ -47,6 +47,7 @@ from ._api import (
 from ._calls import OpStats
 from ._communicator import DEFAULT_TIMEOUT, Communicator
 from ._context import current, use
+from ._elastic.loop import ElasticLoop
 from ._elastic.membership import Membership
 from ._errors import (
     AuthenticationError,
@@ -78,7 +79,7 @@ for _cls in (Communicator, Handle, LocalCommunicator, GlooCommunicator, NcclComm
              PickleSerializer, SafeSerializer, DistCommError, CollectiveError, CollectiveMismatchError,
              CollectiveTimeoutError, CommunicatorStateError, FrameError, PayloadTooLargeError, PeerError,
              RankFailedError, SerializationError, UnsafePayloadError, Membership, AuthenticationError,
-             AuthenticatedSerializer):
+             AuthenticatedSerializer, ElasticLoop):
     _cls.__module__ = __name__
 
 
@@ -100,6 +101,7 @@ __all__ = [
     "CommunicatorStateError",
     "DEFAULT_TIMEOUT",
     "DistCommError",
+    "ElasticLoop",
     "FrameError",
     "GlooCommunicator",
     "Handle",
