@@ -14,16 +14,19 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
 
 from .._agreement import states_table
 from .._calls import CallSpec
 from .._communicator import Communicator
 from .._context import use
 from .._elastic.membership import Membership
-from .._errors import CollectiveError, CollectiveTimeoutError, DistCommError, PeerError, RankFailedError
+from .._errors import CollectiveError, CollectiveTimeoutError, DistCommError, PeerError, RankFailedError, is_rank_loss
+from .._mesh import ElasticMesh
 from .._one_at_a_time import COLLECTIVES
+from .._torch_tables import leave
 from .._wire import frame as _frame
-from ._threaded_job import Lost, ThreadedJob, refuse_sub
+from ._threaded_job import Ended, Lost, ThreadedJob, refuse_sub
 from ._torch_group import TorchGroup
 
 __all__ = ["ThreadedCommunicator", "run_threaded"]
@@ -212,26 +215,62 @@ class ThreadedCommunicator(Communicator):
             # collector runs: alive when the next DDP's backward runs, its hooks fail that one
             # ("marked ready twice"). Collected here, the old DDP goes as soon as the caller drops it.
             gc.collect()
-        world, membership = self._job.survivors(self._world, self.membership)
-        return self._succeeded_by(world, membership)
+        world, membership = self._job.survivors(self._world, self.membership, self._mesh)
+        if self._job_rank not in membership.job_ranks:
+            return self._rejoin(timeout)
+        return self._succeeded_by(world, membership, timeout)
 
     def admit(self, *, timeout: float | datetime.timedelta | None = None) -> Communicator:
         self._check_usable()
         if self._job is None or self._world.parent is not None:
             return self
-        newcomers = self._job.newcomers(self.membership.job_ranks) if self._rank == 0 else None
+        newcomers = self._job.newcomers(self.membership.job_ranks, self._mesh) if self._rank == 0 else None
         newcomers = self.broadcast(newcomers, timeout=timeout)  # (one broadcast, as in a real job)
         if not newcomers:
             return self
         world, membership = self._job.admitted(self, newcomers)
-        return self._succeeded_by(world, membership)
+        return self._succeeded_by(world, membership, timeout)
 
-    def _succeeded_by(self, world: _World, membership: Membership) -> ThreadedCommunicator:
+    def _rejoin(self, timeout: float | datetime.timedelta | None) -> Communicator:
+        """This rank's replica lost a rank: it waits, as a replacement does, until the members'
+        ``admit()`` lets the replica in whole again; its state fell behind meanwhile. Where the members
+        have all returned first, its thread ends (``Ended``), as the agent ends such a process."""
+        assert self._job is not None
+        self._holds_state = False
+        self.close()  # (its membership broke: none of its own until let in)
+        seconds = self._op_timeout(timeout)
+        deadline = time.monotonic() + (3600.0 * 24 if seconds is None else seconds)
+        new = self._job.wait_admitted(self._job_rank, deadline, rejoining=True)
+        if new is not None:
+            return self._took_over(new, timeout)
+        if self._job.ended:
+            raise Ended
+        raise CollectiveTimeoutError(
+            f"shrink: job rank {self._job_rank} waited {seconds:g} s for its replica to be whole again, and the "
+            f"members' admit() never let it in", op="shrink", ranks=[self._job_rank])
+
+    def _succeeded_by(self, world: _World, membership: Membership,
+                      timeout: float | datetime.timedelta | None) -> Communicator:
         new = ThreadedCommunicator(world, membership.job_ranks.index(self._job_rank),
                                    **self._job_settings(self._job_rank, membership, replacement=self._replacement))
         new._holds_state = self._holds_state  # (the same process's state, in the next membership)
         self.close()
+        return self._took_over(new, timeout)
+
+    def _took_over(self, new: ThreadedCommunicator, timeout: float | datetime.timedelta | None) -> Communicator:
+        """``new``, once it took over what this one had: ``use(self)`` follows it, and so does the
+        job's mesh (FSDP's groups), as the first collective of the new membership, as a real one's."""
         self._successor = new
+        new._mesh = self._mesh
+        if new._mesh is None:
+            return new
+        _forget_groups(new._mesh)
+        try:
+            new._mesh.follow(new)
+        except Exception as e:
+            if not is_rank_loss(e):
+                raise
+            return new.shrink(timeout=timeout)  # (a rank lost as the membership began)
         return new
 
     def _job_settings(self, job_rank: int, membership: Membership, *, replacement: bool) -> dict[str, Any]:
@@ -389,6 +428,15 @@ class ThreadedCommunicator(Communicator):
         return sub
 
 
+def _forget_groups(mesh: ElasticMesh) -> None:
+    """Take the mesh's groups out of torch's tables, for its ``follow`` to enter them again: the
+    tables are the process's, shared by the rank threads, where a real process's shrink or admit
+    destroyed its default group, and every group torch knew went with it."""
+    for group in mesh.groups:
+        if group in dist.distributed_c10d._world.pg_map:
+            leave(group, group.group_name)
+
+
 def _counted(name: str) -> Callable[..., Any]:
     """``name`` as a threaded rank calls it: where ``run_threaded(lose=...)`` loses a rank, on entering."""
     base = getattr(ThreadedCommunicator, name)
@@ -425,7 +473,8 @@ def run_threaded(fn: Callable[[ThreadedCommunicator], _R], world_size: int, *, t
         timeout: seconds for the whole world, and the default collective timeout.
         lose: ``{rank: n}``: that rank's thread is lost as it enters its n-th collective (as if its
             process were killed there): the others' calls raise PeerError, and their ``shrink()``
-            returns a communicator of the survivors (``membership.lost`` names it).
+            returns a communicator of the survivors (``membership.lost`` names it); with a
+            ``device_mesh`` of replicas, of the whole replicas alone (its peers wait to be let in).
         replacements: how many lost ranks run ``fn`` again, as a replacement that waits until the
             members' ``admit()`` lets it in (``membership.admitted`` names it). A lost rank's result
             is None, or its replacement's.
@@ -493,6 +542,8 @@ def _run_world(fn: Callable[[ThreadedCommunicator], _R], world_size: int, timeou
             if comm is not None:
                 with use(comm):
                     results[r] = fn(comm)
+        except Ended:  # (let go, as a lost rank: its result stays None, and no one is started for it)
+            pass
         except Lost:
             with world.lock:  # (two ranks lost at once start no more replacements than asked)
                 again = replaced[0] < job.replacements
@@ -518,8 +569,8 @@ def _run_world(fn: Callable[[ThreadedCommunicator], _R], world_size: int, timeou
         now = time.monotonic()
         if now >= deadline:
             break
-        if job.waiting and job.waiting == sum(t.is_alive() for t in threads):
-            job.end()  # the members have all finished: the replacements still waiting are stopped
+        if errors or (job.waiting and job.waiting == sum(t.is_alive() for t in threads)):
+            job.end()  # the members have all finished, or one failed: those still waiting to come in are let go
         if errors:
             failed_at = failed_at or now
             if now - failed_at > 1.0:  # ranks busy outside collectives can't be released: don't wait
