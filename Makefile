@@ -81,10 +81,13 @@ bench-tensors: $(STAMP)  ## tensor all_reduce and all_gather_tensor against torc
 bench-wire: $(STAMP)  ## bytes on the wire per rank, one network namespace per rank (needs root)
 	$(BIN)/python benchmarks/wire.py --world 8 16
 
-bench-recovery: $(STAMP)  ## a killed rank to the survivors' next collective, and to a DDP job's next step (and a replacement's stall): shrink vs torchft and a torchrun restart, 4 and 8 ranks
+bench-recovery: $(STAMP)  ## a killed rank to the survivors' next collective, to a DDP job's next step (and a replacement's stall), and in a 2x2 HSDP job to each replica's next step and the members' stall when the replica rejoins: shrink vs torchft and a torchrun restart; sync_state vs broadcast, 64 MiB-1 GiB
 	$(BIN)/python benchmarks/recovery.py
 	$(BIN)/python -m pip install -q --no-deps --target benchmarks/.deps torchft-nightly==2026.10.26
+	$(BIN)/python -m pip install -q --target benchmarks/.deps "opentelemetry-sdk>=1.39.0" "opentelemetry-exporter-otlp-proto-http>=1.39.0"  # (torchft imports them)
 	$(BIN)/python benchmarks/recovery_ddp.py
+	$(BIN)/python benchmarks/recovery_hsdp.py
+	$(BIN)/python benchmarks/heal.py --sizes 64 192 1024
 
 bench-store: $(STAMP)  ## the job's store under 64-1,024 simulated ranks: connecting at once, then keep-alives and agreement: calls/s and one call's latency
 	$(BIN)/python benchmarks/store_load.py
