@@ -138,6 +138,8 @@ class Communicator(ObjectConveniences, PointToPoint, SubCommunicators, ElasticMe
     """The communicator a ``shrink()`` or ``admit()`` of this one made: ``use(comm)`` then follows it."""
     _let_in_at: float | None = None
     """When ``from_env()`` returned to a replacement the members let in: until its first call, they wait."""
+    _is_sub = False
+    """Whether ``split``, ``dup`` or ``new_group`` made it (not the job's communicator)."""
     _mesh: ElasticMesh | None = None
     """The job's mesh (``device_mesh``), which every communicator of the job's later memberships follows."""
     _holds_state = True

@@ -39,6 +39,7 @@ def split(comm: Communicator, color: int | None, key: int, members: tuple[int, .
     mine = next((m for m in ordered if comm.rank in m), None)
     sub = comm._make_sub(ordered, mine, timeout)  # set up within the call's timeout
     if sub is not None:
+        sub._is_sub = True
         sub._timeout = comm._timeout  # then waits as long as its parent by default, not as long as set-up took
         sub._holds_state = comm._holds_state  # (a stage's group: its newcomers are no source of state)
     for k in [k for k, c in comm._children.items() if c._closed]:  # closed ones are let go

@@ -33,8 +33,9 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from ._communicator import Communicator
+    from ._elastic.snapshots import Snapshots
 
-__all__ = ["ElasticMesh", "FollowingGroup", "MeshLayout", "device_mesh"]
+__all__ = ["ElasticMesh", "FollowingGroup", "MeshLayout", "device_mesh", "no_whole_replica"]
 
 REPLICA_DIM_NAMES = ("replicate", "dp_replicate")
 """A mesh dimension by one of these names counts replicas (HSDP's): each holds the whole model."""
@@ -137,6 +138,8 @@ class ElasticMesh:
 
     def __init__(self, comm: Communicator, layout: MeshLayout, device_type: str) -> None:
         self.layout = layout
+        self.snapshots: Snapshots | None = None
+        """This rank's snapshots of its shards and its predecessor's (``comm.snapshot``)."""
         subs = self._lines(comm)
         serial = next(_NAMES)
         self.groups = [FollowingGroup(f"distcomm-mesh-{serial}-{layout.names[d]}", sub.group)
@@ -158,6 +161,12 @@ class ElasticMesh:
             group.follow(sub.group)
         self._register(subs)
 
+    def unrestorable(self, lost: Sequence[int]) -> str:
+        """Why this rank's snapshots can't bring back the job ranks ``lost`` ("" where they can)."""
+        if self.snapshots is None:
+            return "no snapshot was taken (comm.snapshot after each step)"
+        return self.snapshots.unrestorable(tuple(lost))
+
     def _lines(self, comm: Communicator) -> list[Communicator]:
         """This rank's group along each dimension, of ``comm``'s members (made on every member in the same order)."""
         me = comm.membership.job_ranks[comm.rank]
@@ -177,8 +186,20 @@ class ElasticMesh:
                   c10d._world.pg_backend_config.get(target, ""))
 
 
+def no_whole_replica(layout: MeshLayout, lost: Sequence[int], why: str) -> CommunicatorStateError:
+    """What every survivor's ``shrink()`` raises where no replica of the job's mesh is whole and the
+    lost ranks' shards can't be brought back (``why``: ``ElasticMesh.unrestorable``): every transport's."""
+    return CommunicatorStateError(
+        f"shrink: lost job rank(s) {list(lost)}, and no replica of the job's mesh {layout.shape} {layout.names} "
+        f"is whole: the model's shards are gone with them ({why}), and the job can't go on; start it again "
+        f"from a checkpoint")
+
+
 def device_mesh(comm: Communicator, mesh_shape: Sequence[int], mesh_dim_names: Sequence[str] | None) -> DeviceMesh:
     """``Communicator.device_mesh``."""
+    if comm._is_sub:  # (refused alike on every rank, before anything moves)
+        raise CommunicatorStateError("device_mesh lays out the job's ranks: call it on the job's communicator "
+                                     "(from_env, launch, spawn), not on one split from it")
     layout = _layout(comm, mesh_shape, mesh_dim_names)
     held = comm._mesh
     if held is not None:
