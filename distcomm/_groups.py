@@ -134,7 +134,9 @@ class SubCommunicators:
         unit of failure: a shrink keeps the whole replicas only (the lost rank's replica peers
         wait in ``shrink()`` until a replacement makes their replica whole, and the members'
         ``admit()`` lets the replica in, whole); a loss that leaves no replica whole is
-        ``CommunicatorStateError`` on every survivor. Collective: every rank calls it, while the
+        ``CommunicatorStateError`` on every survivor, unless every rank's shards are held in a
+        neighbour's ``snapshot()`` (then the survivors wait for the replacements, and
+        ``sync_state`` takes the job back to that step). Collective: every rank calls it, while the
         job is whole (a newcomer too, once let in: its first call). One mesh per job.
         """
         comm = front_door(self)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from ._calls import CallSpec, Op
+from ._elastic.restore import catalogue, restore
 from ._errors import (
     CollectiveError,
     CollectiveMismatchError,
@@ -42,11 +43,15 @@ def sync_state(comm: Communicator, objects: tuple[Any, ...], allow: Iterable[Any
     settle(objects)
     with serializing_with(_state_serializer(comm, allow)):
         states, survey = _survey(comm, objects, Op.SYNC_STATE, digests=False)
-        plan = _plan(comm, objects, states, survey)
-        if not plan:
-            comm._holds_state = True
-            return
-        failure = _hand_over(comm, objects, states, plan)
+        if any(c is not None for c in survey.catalogues):  # (a job with no whole replica: back to a snapshot)
+            failure = restore(comm, objects, states, survey.catalogues, _load, allow)
+            plan: dict[int, tuple[int, list[int]]] = {}
+        else:
+            plan = _plan(comm, objects, states, survey)
+            if not plan:
+                comm._holds_state = True
+                return
+            failure = _hand_over(comm, objects, states, plan)
         said = _exchange(comm, Op.SYNC_STATE, failure)  # (the sender too learns that a load failed)
     failed = [(r, text) for r, text in enumerate(said) if text is not None]
     if not failed:
@@ -142,6 +147,8 @@ class _Survey(NamedTuple):
     """The ranks of each shard class (``_sharded``), in rank order; every class has a holder."""
     digests: list[list[bytes]]
     """Every rank's fingerprints (where asked for; else empty)."""
+    catalogues: list[Any]
+    """Every rank's snapshots where a shrink left the job to restore from them (``_elastic.restore``)."""
 
 
 def _survey(comm: Communicator, objects: tuple[Any, ...], op: Op, digests: bool) -> tuple[list[Any], _Survey]:
@@ -157,7 +164,7 @@ def _survey(comm: Communicator, objects: tuple[Any, ...], op: Op, digests: bool)
     read: Any = None if bad else _read(lambda: _read_state(objects, digests))
     states, key, mine = read if isinstance(read, tuple) else ([], b"", [])
     gathered = _exchange(comm, op, (bad, read if isinstance(read, str) else None, len(objects), comm._holds_state,
-                                    key, mine))
+                                    key, mine, catalogue(comm)))
     label = op.label
     refused = [f"rank {r}: {', '.join(b)}" for r, (b, *_) in enumerate(gathered) if b]
     if refused:
@@ -178,7 +185,7 @@ def _survey(comm: Communicator, objects: tuple[Any, ...], op: Op, digests: bool)
             raise CommunicatorStateError(
                 f"{label}: no member holds the job's trained state{among}: every rank that held it was lost, and the "
                 f"members left are newcomers not yet handed it; start again from a checkpoint")
-    return states, _Survey(holds, list(classes.values()), [g[5] for g in gathered])
+    return states, _Survey(holds, list(classes.values()), [g[5] for g in gathered], [g[6] for g in gathered])
 
 
 def _read_state(objects: tuple[Any, ...], digests: bool) -> tuple[list[Any], bytes, list[bytes]]:

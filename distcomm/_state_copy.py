@@ -35,7 +35,7 @@ from ._wire.memory import PHYSICAL_MEMORY
 if TYPE_CHECKING:
     from ._communicator import Communicator
 
-__all__ = ["leaves", "receive_state", "send_state"]
+__all__ = ["leaves", "load_parts", "rebuilt", "receive_state", "send_parts", "send_state", "sendable"]
 
 _STATE_TAG = 0x3FFF_5A7E  # (tags are below 2**30)
 _ANSWER_TAG = 0x3FFF_5A7F
@@ -72,20 +72,20 @@ def _key(path: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple((type(k), k) for k in path)  # (0 is not "0", nor True 1)
 
 
-def _rebuilt(node: Any, leaf: Callable[[Any], Any]) -> Any:
+def rebuilt(node: Any, leaf: Callable[[Any], Any]) -> Any:
     """``node`` with each leaf replaced by ``leaf(it)``, in ``leaves``' order: dicts copied (with
     what a state dict carries beside its items, ``_metadata``), lists and tuples made anew."""
     if isinstance(node, dict):
         out = copy.copy(node)
         for k, v in node.items():
-            out[k] = _rebuilt(v, leaf)
+            out[k] = rebuilt(v, leaf)
         return out
     if type(node) in (list, tuple):
-        return type(node)(_rebuilt(v, leaf) for v in node)
+        return type(node)(rebuilt(v, leaf) for v in node)
     return leaf(node)
 
 
-def _sendable(t: Any) -> bool:
+def sendable(t: Any) -> bool:
     """A tensor whose bytes are its values: it travels raw (the others inside the skeleton)."""
     if not isinstance(t, torch.Tensor) or is_lazy(t):
         return False
@@ -107,7 +107,7 @@ def _cut(state: Any) -> tuple[Any, list[Spec], list[torch.Tensor]]:
 
     def leaf(value: Any) -> Any:
         n = next(count)
-        if not _sendable(value):
+        if not sendable(value):
             return value
         local = local_of(value).detach()
         layout = layout_of(value) if is_dtensor(value) else None
@@ -115,7 +115,7 @@ def _cut(state: Any) -> tuple[Any, list[Spec], list[torch.Tensor]]:
         parts.append(_as_bytes(local.cpu().contiguous()))
         return None
 
-    return _rebuilt(state, leaf), specs, parts
+    return rebuilt(state, leaf), specs, parts
 
 
 def send_state(comm: Communicator, states: list[Any], to: dict[int, list[int]], raw: bool) -> str | None:
@@ -133,14 +133,22 @@ def send_state(comm: Communicator, states: list[Any], to: dict[int, list[int]], 
 
 def _send_to(comm: Communicator, r: int, states: list[Any], raw: bool) -> str | None:
     cuts = [_cut(state) for state in states] if raw else [(state, [], []) for state in states]
+    return send_parts(comm, r, [(skeleton, specs) for skeleton, specs, _ in cuts],
+                      [p for _, _, ps in cuts for p in ps], raw)
+
+
+def send_parts(comm: Communicator, r: int, header: list[Any], parts: list[torch.Tensor],
+               raw: bool = True) -> str | None:
+    """Send a state already cut (``header``: each object's skeleton and specs; ``parts``: the
+    tensors' bytes, in the specs' order) to rank ``r``, which takes it with ``receive_state``; why
+    it couldn't be serialized, or None."""
     try:
-        comm.isend([(skeleton, specs) for skeleton, specs, _ in cuts], r, tag=_STATE_TAG).wait()
+        comm.isend(header, r, tag=_STATE_TAG).wait()
     except (SerializationError, PayloadTooLargeError) as e:
         comm.isend((_NOT_SENT, str(e)), r, tag=_STATE_TAG).wait()
         return str(e)
     if raw and comm.recv(r, tag=_ANSWER_TAG) is None:  # (else it refused, and says why in the call's end)
-        parts = [p for _, _, ps in cuts for p in ps if p.numel()]
-        comm._send_message(r, _BYTES_TAG, parts, comm._op_timeout(None))
+        comm._send_message(r, _BYTES_TAG, [p for p in parts if p.numel()], comm._op_timeout(None))
     return None
 
 
@@ -187,6 +195,25 @@ def receive_state(comm: Communicator, objects: tuple[Any, ...], states: list[Any
     return None
 
 
+def load_parts(comm: Communicator, objects: tuple[Any, ...], states: list[Any], header: list[Any],
+               parts: list[torch.Tensor], load: Callable[[Any, Any], None]) -> str | None:
+    """Load a state this rank holds cut (a snapshot of its own: ``send_parts``' arguments) into
+    ``objects``, its tensors into their own, as ``receive_state`` does; why it couldn't, or None."""
+    landings, why = _landings(comm, header, states, objects)
+    if why is not None:
+        return why
+    bufs = [_as_bytes(lands[spec[0]].buf) for (_, specs), lands in zip(header, landings, strict=True)
+            for spec in specs]
+    for buf, part in zip(bufs, parts, strict=True):
+        buf.copy_(part)
+    try:
+        for obj, (skeleton, _), lands in zip(objects, header, landings, strict=True):
+            load(obj, _filled(skeleton, lands))
+    except Exception as e:  # (a load_state_dict of the user's: whatever it raises)
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 def _answered(comm: Communicator, src: int, raw: bool, why: str | None) -> str | None:
     """Tell ``src``, which waits to send the bytes, to go (``why`` None) or why not; returns ``why``."""
     if raw and comm._broken is None:  # (a broken pair's stream is lost anyway)
@@ -206,7 +233,7 @@ def _filled(skeleton: Any, landings: dict[int, _Landing]) -> Any:
             land.then()
         return land.value
 
-    return _rebuilt(skeleton, leaf) if landings else skeleton
+    return rebuilt(skeleton, leaf) if landings else skeleton
 
 
 def _landings(comm: Communicator, header: Any, own_states: list[Any],
@@ -284,7 +311,7 @@ def _land(comm: Communicator, spec: Spec, own: Any,
     _, dtype_name, shape, device, layout = spec
     dtype = _DTYPES[dtype_name]
     size = math.prod(shape) * dtype.itemsize
-    if own is not None and _sendable(own) and (layout_of(own) if is_dtensor(own) else None) == layout:
+    if own is not None and sendable(own) and (layout_of(own) if is_dtensor(own) else None) == layout:
         local = local_of(own).detach()
         if local.dtype == dtype and tuple(local.shape) == shape:
             if local.device.type == "cpu" and local.is_contiguous():

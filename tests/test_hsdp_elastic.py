@@ -19,6 +19,9 @@ HSDP_JOB = """
     import distcomm
 
     shape, victims, steps = tuple(json.loads(sys.argv[1])), set(json.loads(sys.argv[2])), int(sys.argv[3])
+    slow = os.environ.get("SLOW_REPLACEMENT")  # (a file: once there, a replacement takes a minute to start)
+    if slow and os.path.exists(slow):
+        time.sleep(60)
     comm = distcomm.from_env()
     mesh = comm.device_mesh(shape, ("replicate", "shard"))
     torch.manual_seed(0)
@@ -57,6 +60,8 @@ HSDP_JOB = """
                 break
             me = comm.membership.job_ranks[comm.rank]
             if me in victims and progress["step"] == 5 and original:
+                if slow:
+                    open(slow, "w").close()
                 os.kill(os.getpid(), signal.SIGKILL)
             n, r = comm.world_size, comm.rank
             want = expected_grads(n)
@@ -134,3 +139,19 @@ def test_a_mesh_of_one_replica_cannot_lose_a_rank(tmp_path: Path) -> None:
     assert code != 0
     refused = {d["job_rank"]: d["refused"] for d in _lines(out) if "refused" in d}
     assert list(refused) == [0] and "lost job rank(s) [1]" in refused[0], (refused, err[-3000:])
+
+
+def test_a_replica_still_broken_when_the_job_ends_is_let_go(tmp_path: Path) -> None:
+    """The healthy replica finishes before the replacement is up: the lost rank's peer, waiting in
+    shrink() for its replica to be whole, and the replacement are ended by the agent, and the job
+    counts as finished (not a hang until the timeout)."""
+    job = _script(tmp_path, HSDP_JOB)
+    agent = _agent("--nproc-per-node", "4", "--replacements", "1", "--term-grace", "3", job, "[2, 2]", "[3]", "12",
+                   env={"SLOW_REPLACEMENT": str(tmp_path / "slow")})
+    code, out, err = _ended(agent, timeout=150)
+    done = sorted(d["job_rank"] for d in _lines(out) if d.get("done"))
+    assert done == [0, 1], (done, err[-3000:])
+    assert "rank 2 (pid" in err and "waited for its replica to be whole again, and was ended: the others had ended" \
+        in err, err[-3000:]
+    assert "started again, was never admitted: the others had ended" in err, err[-3000:]
+    assert code == 0, err[-3000:]

@@ -490,7 +490,9 @@ class ElasticMethods:
         """Make every member's training state that of the first member that holds the job's trained
         state (a newcomer holds it only once handed it, through any shrink, admit or split since):
         after ``admit()`` (the newcomers need it) or ``shrink()`` (a failed step may be half applied).
-        Where no member holds it (every holder lost), CommunicatorStateError on every rank.
+        Where no member holds it (every holder lost), CommunicatorStateError on every rank. After a
+        shrink that found no replica of the job's mesh whole, every rank goes back to the newest
+        ``snapshot()`` step that every rank's copy is held for (``progress`` too).
 
         ``objects``: what has ``state_dict()`` and ``load_state_dict()`` (a model, an optimizer, a
         scheduler, a grad scaler) or dicts (updated in place), in the same order on every rank.
@@ -505,6 +507,28 @@ class ElasticMethods:
         """
         comm = front_door(self)
         sync_state(comm, objects, allow)
+
+    def snapshot(self, *objects: Any, every: int = 1) -> None:
+        """Keep this rank's part of ``objects`` (as ``sync_state``'s: a model, an optimizer, a
+        ``progress`` dict) at this step, in host memory here and, sent in the background over a
+        group of its own, on the next rank: a job whose mesh has no whole replica left after a
+        loss (plain FSDP) then goes back to the newest step every rank's copy is held for, instead
+        of ending; ``shrink()`` waits for the replacement and ``sync_state`` restores it.
+
+        Collective: every member calls it, after each step (it waits for the previous copy to be
+        sent). ``every``: take one at every ``every``-th call only (a restore then goes back up to
+        ``2 * every`` steps). A communicator without ``device_mesh()`` keeps none: every rank holds
+        the whole state, and ``sync_state`` hands it over.
+        """
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"snapshot: every must be an int >= 1, got {every!r}")
+        comm = front_door(self)
+        comm._check_usable()
+        from .snapshots import snapshots_of
+
+        held = snapshots_of(comm)
+        if held is not None:
+            held.take(comm, objects, every)
 
     def check_identical(self, *objects: Any) -> None:
         """Raise CollectiveMismatchError on every rank when the members' states differ, naming the

@@ -13,10 +13,11 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch.distributed as dist
 
-from .._errors import CommunicatorStateError, is_rank_loss
+from .._errors import CollectiveTimeoutError, PeerError
 from .._handles import Queues
 from .._launching.rendezvous import Seat, rejoin
 from .._launching.start import start_seat
+from .._mesh import no_whole_replica
 from . import membership as _membership
 from .deferred_free import DEFERRED
 from .keepalive import keep_alive
@@ -53,7 +54,10 @@ class TorchMembership:
         seconds = comm._op_timeout(timeout)
         seat, lost = _membership.survivors(comm, seconds, pids)
         if comm._mesh is not None:
-            seat = _whole_replicas(comm, seat, lost, seconds)
+            kept = _whole_replicas(comm, seat, lost, seconds)
+            if kept.epoch != seat.epoch:  # (let in again: that membership lost no one, as its members see it)
+                lost = ()
+            seat = kept
         return comm._succeeded_by(start_seat(type(comm), seat, lost=lost, pids=pids, **settings), timeout)
 
     def admit(self, *, timeout: float | datetime.timedelta | None = None) -> Communicator:
@@ -64,6 +68,8 @@ class TorchMembership:
         seat = _membership.admission(comm, comm._op_timeout(timeout))
         if seat is None:
             return comm
+        if comm._mesh is not None and comm._mesh.snapshots is not None:
+            comm._mesh.snapshots.settle()  # (its group goes with this membership: the copy in flight ends first)
         settings = comm._rebuild_settings()
         pids = _membership.job_pids(comm)
         comm._retire_subs("admit")
@@ -80,9 +86,7 @@ class TorchMembership:
         if new._mesh is not None:
             try:
                 new._mesh.follow(new)  # (FSDP's groups: the first collective of the new membership)
-            except Exception as e:
-                if not is_rank_loss(e):
-                    raise
+            except (PeerError, CollectiveTimeoutError):  # (its own failure: not the one the caller handles)
                 return new.shrink(timeout=timeout)  # (a rank lost as the membership began)
         return new
 
@@ -161,12 +165,26 @@ def _whole_replicas(comm: _TorchCommunicator, seat: Seat, lost: tuple[int, ...],
     layout = comm._mesh.layout
     kept = layout.whole(seat.members)
     if not kept:
-        raise CommunicatorStateError(
-            f"shrink: lost job rank(s) {list(lost)}, and no replica of the job's mesh {layout.shape} {layout.names} "
-            f"is whole: the model's shards are gone with them, and the job can't go on; start it again from a "
-            f"checkpoint")
+        return _from_snapshots(comm, seat, lost, seconds)
     if seat.job_rank in kept:
         return dataclasses.replace(seat, members=kept, admitted=tuple(r for r in seat.admitted if r in kept))
     comm._holds_state = False
-    keep_alive.unwatch()  # (no membership of its own until let in)
+    keep_alive.stop()  # (no membership of its own until let in: a launcher sees the job end without it)
     return rejoin(seat, layout.size, 3600.0 * 24 if seconds is None else seconds)
+
+
+def _from_snapshots(comm: _TorchCommunicator, seat: Seat, lost: tuple[int, ...], seconds: float | None) -> Seat:
+    """The survivors' seat where no replica is whole but every lost rank's snapshot is held by a
+    survivor (``snapshots``): each survivor waits, as a replacement does, in the job's open round,
+    which the replacements complete; that whole membership's ``sync_state`` restores the snapshots."""
+    mesh = comm._mesh
+    assert mesh is not None
+    why = mesh.unrestorable(lost)
+    if why or mesh.snapshots is None:
+        raise no_whole_replica(mesh.layout, lost, why)
+    mesh.snapshots.settle()  # (the exchange in flight ended with the membership: its groups are broken)
+    mesh.snapshots.restoring = True
+    # Beating on (unlike a replica's rank that waits while the others step on): every member waits
+    # here, and a launcher that saw no beat would take the job for ended and stop them all.
+    keep_alive.unwatch()
+    return rejoin(seat, mesh.layout.size, 3600.0 * 24 if seconds is None else seconds)
