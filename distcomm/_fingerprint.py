@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -35,7 +35,7 @@ from torch.nn.parameter import is_lazy
 
 from ._sharded import is_dtensor, layout_of, local_of
 
-__all__ = ["Path", "entries", "fingerprint", "path_text", "shown"]
+__all__ = ["Path", "entries", "fingerprint", "fingerprints", "path_text", "shown"]
 
 Path = tuple[Any, ...]
 """The keys (and list indices) from the state's root to a node."""
@@ -51,25 +51,47 @@ _PLAIN = (bool, int, float, complex, str, bytes, type(None))
 def fingerprint(state: Any) -> bytes:
     """One digest of the whole state: its entries' paths and digests, in the order of their paths
     (a mapping's order is not state)."""
+    return _combined((text, rep + (shard or b"")) for text, rep, shard in _texts(state, True))
+
+
+def fingerprints(state: Any, sharded: bool = True) -> tuple[bytes, bytes | None]:
+    """The state's two parts' digests: its *replicated* part (everything but DTensors' shards: the
+    structure, plain values, plain tensors, each DTensor's layout), alike on every rank of the job,
+    and its *sharded* part (the DTensors' local shards), alike only within a shard class; the second
+    only where ``sharded`` (None else: hashing the shards is the cost, skipped where unused)."""
+    texts = list(_texts(state, sharded))
+    rep = _combined((text, digest) for text, digest, _ in texts)
+    return rep, _combined((text, s) for text, _, s in texts if s is not None) if sharded else None
+
+
+def _texts(state: Any, sharded: bool) -> Iterator[tuple[str, bytes, bytes | None]]:
+    return ((path_text(path), rep, shard) for path, rep, shard in entries(state, sharded=sharded))
+
+
+def _combined(items: Iterable[tuple[str, bytes]]) -> bytes:
     h = _hasher()
-    for text, digest in sorted((path_text(path), digest) for path, digest in entries(state)):
+    for text, digest in sorted(items):
         h.update(text.encode())
         h.update(digest)
     return h.digest()
 
 
-def entries(state: Any, path: Path = ()) -> Iterator[tuple[Path, bytes]]:
-    """Every node of ``state`` (containers first, then what they hold) with its path and digest."""
+def entries(state: Any, path: Path = (), sharded: bool = True) -> Iterator[tuple[Path, bytes, bytes | None]]:
+    """Every node of ``state`` (containers first, then what they hold) with its path, its replicated
+    digest (a DTensor's: its layout) and, for a DTensor, its shard's digest (where ``sharded``)."""
     if isinstance(state, Mapping):
-        yield path, _tagged(b"mapping")
+        yield path, _tagged(b"mapping"), None
         for k, v in state.items():
-            yield from entries(v, (*path, k))
+            yield from entries(v, (*path, k), sharded)
     elif isinstance(state, (list, tuple)):
-        yield path, _tagged(type(state).__name__.encode())
+        yield path, _tagged(type(state).__name__.encode()), None
         for i, v in enumerate(state):
-            yield from entries(v, (*path, i))
+            yield from entries(v, (*path, i), sharded)
+    elif is_dtensor(state):  # (its layout is alike on every rank; its shard, within its class)
+        layout = _tagged(f"dtensor:{state.dtype}:{layout_of(state)}".encode())
+        yield path, layout, _leaf_digest(state) if sharded else b""
     else:
-        yield path, _leaf_digest(state)
+        yield path, _leaf_digest(state), None
 
 
 def path_text(path: Path) -> str:

@@ -4,7 +4,8 @@ A DTensor's local shard differs from rank to rank: two ranks can only hold the s
 they hold the same shards. A rank's *shard class* says which: the layout of every DTensor in its
 state, with the part of each that its shard covers (its local shape and global offset). Ranks of
 one class (in HSDP, the ranks of one shard coordinate across the replicas) hold, or should hold,
-the same bytes; ranks of different classes are never compared, nor copied into each other. Plain
+the same shards; the shards of different classes are never compared, nor copied into each other
+(what isn't a shard, the state's replicated part, is compared across every class: ``_state``). Plain
 state puts every rank in one class.
 """
 

@@ -1,8 +1,11 @@
 """The whole training state on every member: ``sync_state`` hands it to those whose state differs
 (a newcomer, a rank that applied half a failed step), ``check_identical`` says who differs and where.
 
-Ranks are compared only within their shard class (``_sharded``: all of them, for plain state). A
-call where every member agrees (after most shrinks, and every N steps of a healthy job) moves small
+A state has two parts: what every rank of the job holds alike (its *replicated* part: the structure,
+plain values, plain tensors, param_groups, step counters), compared across every rank against the
+job's first holder's, and the DTensors' shards, compared only within their shard class
+(``_sharded``: all of them, for plain state) against the class's source's. A call where every member
+agrees (after most shrinks, and every N steps of a healthy job) moves small
 fingerprints only; a newcomer needs none, it gets everything. The state itself goes only to the
 members that need it, one point-to-point copy each (``_state_copy``), striped over the members that
 hold it.
@@ -21,7 +24,7 @@ from ._errors import (
     CommunicatorStateError,
     SerializationError,
 )
-from ._fingerprint import entries, fingerprint, path_text, shown
+from ._fingerprint import entries, fingerprints, path_text, shown
 from ._sharded import class_key, settle
 from ._state_copy import moves_bytes, receive_state, send_state, state_tensors
 from ._wire.serialization import AuthenticatedSerializer, SafeSerializer, Serializer, serializing_with
@@ -34,8 +37,9 @@ __all__ = ["check_identical", "sync_state"]
 _R = TypeVar("_R")
 
 def sync_state(comm: Communicator, objects: tuple[Any, ...], allow: Iterable[Any] = ()) -> None:
-    """``Communicator.sync_state``: every member ends with the state of the first member of its
-    shard class that holds the job's trained state; only members whose state differs receive it
+    """``Communicator.sync_state``: every member ends with the state of its shard class's source
+    (its first holder of the job's trained state whose replicated part is the job's first
+    holder's: ``_planned``); only members whose state differs receive it
     (only the objects that differ), each from one member that holds it, striped over those.
 
     What peers send is loaded with the safe loader (and the classes in ``allow``): state is
@@ -76,29 +80,55 @@ def _state_serializer(comm: Communicator, allow: Iterable[Any]) -> Serializer:
 
 def _plan(comm: Communicator, objects: tuple[Any, ...], states: list[Any],
           survey: _Survey) -> dict[int, tuple[int, list[int]]]:
-    """Who receives which objects from whom: in each shard class, every rank that doesn't hold the
-    state gets every object; a holder, the objects whose fingerprint differs from the class's first
-    holder's. Holders fingerprint their state only where their class has another holder (a second
-    small exchange): a newcomer's class with one holder copies without hashing anything. Receivers
-    are striped over the holders whose state is the first holder's, so that the copies run at once."""
-    several = {r for ranks in survey.classes for r in ranks if sum(survey.holds[i] for i in ranks) > 1}
-    digests: list[list[bytes] | None] = [None] * comm.world_size
-    if several:
-        mine = _read(lambda: [fingerprint(s) for s in states]) if comm.rank in several and comm._holds_state else None
+    """Who receives which objects from whom (``_planned``). Where the job has more than one holder
+    they fingerprint their state first (a second small exchange): the replicated part always (it is
+    compared across the whole job), the shards only where their class has another holder; a lone
+    holder (a newcomer's job of two) copies without hashing anything."""
+    digests: list[Any] = [None] * comm.world_size
+    if sum(survey.holds) > 1:
+        mine_ = next(ranks for ranks in survey.classes if comm.rank in ranks)
+        several = sum(survey.holds[r] for r in mine_) > 1  # (else no one compares this rank's shards)
+        mine = _read(lambda: [fingerprints(s, several) for s in states]) if comm._holds_state else None
         said = _exchange(comm, Op.SYNC_STATE, mine)
         _refuse_unread(Op.SYNC_STATE.label, said)
         digests = [d if isinstance(d, list) else None for d in said]
+    return _planned(survey, digests, len(objects))
+
+
+def _planned(survey: _Survey, digests: list[Any], n: int) -> dict[int, tuple[int, list[int]]]:
+    """In each shard class, its *source*: its first holder whose replicated part is the job's
+    source's (the first holder's); every other rank gets the objects whose replicated part differs
+    from the job's source's or whose shards differ from its class source's (a newcomer: all of
+    them). Receivers are striped over the class's holders that need nothing.
+
+    A class where no holder has the job's replicated part is refused (CollectiveMismatchError, alike
+    on every rank): its shards belong with its own replicated part (a step counter a step ahead
+    comes with shards a step ahead), so the job's replicated part beside them would be a state no
+    rank ever held."""
+    ref = _part(digests[survey.holds.index(True)], 0)
     plan: dict[int, tuple[int, list[int]]] = {}
-    everything = list(range(len(objects)))
     for ranks in survey.classes:
         holders = [r for r in ranks if survey.holds[r]]
-        ref = digests[holders[0]]
-        need = {r: everything if not survey.holds[r] or ref is None else
-                [i for i, d in enumerate(digests[r] or ()) if d != ref[i]] for r in ranks if r != holders[0]}
-        sources = [holders[0], *(r for r in holders[1:] if not need[r])]
+        right = [r for r in holders if _part(digests[r], 0) == ref]
+        if not right:
+            first = survey.holds.index(True)
+            raise CollectiveMismatchError(
+                f"sync_state: no rank among {ranks}, which hold the same shards, holds the job's replicated state "
+                f"(what is not DTensor shards: step counters, param_groups) as rank {first} does; their "
+                f"shards may be of another step: check_identical says where they differ; start again from a "
+                f"checkpoint", op="sync_state", ranks=ranks)
+        src, shards = right[0], _part(digests[right[0]], 1) or [None] * n
+        need = {r: list(range(n)) if not survey.holds[r] or ref is None else
+                [i for i, (rep, shard) in enumerate(digests[r]) if rep != ref[i] or shard != shards[i]]
+                for r in ranks if r != src}
+        sources = [src, *(r for r in holders if r != src and not need[r])]
         for k, r in enumerate(r for r in ranks if need.get(r)):
             plan[r] = (sources[k % len(sources)], need[r])
     return plan
+
+
+def _part(digests: Any, k: int) -> list[Any] | None:
+    return None if digests is None else [d[k] for d in digests]
 
 
 def _hand_over(comm: Communicator, objects: tuple[Any, ...], states: list[Any],
@@ -117,27 +147,45 @@ def _hand_over(comm: Communicator, objects: tuple[Any, ...], states: list[Any],
 
 def check_identical(comm: Communicator, objects: tuple[Any, ...]) -> None:
     """``Communicator.check_identical``: raise CollectiveMismatchError on every rank, naming the
-    ranks whose state differs from the first holder's of their shard class (``sync_state``'s
-    source) and the first key that differs. Fingerprints and keys are loaded with the safe loader,
-    as ``sync_state``'s."""
+    ranks whose state differs from ``sync_state``'s source's (``_odd``) and the first key that
+    differs. Fingerprints and keys are loaded with the safe loader, as ``sync_state``'s."""
     with serializing_with(_state_serializer(comm, ())):
         states, survey = _survey(comm, objects, Op.CHECK_IDENTICAL, digests=True)
-        digests = survey.digests
-        odd = []  # (each class's first holder, its ranks that differ from it)
-        for ranks in survey.classes:
-            src = next(r for r in ranks if survey.holds[r])
-            differ = [r for r in ranks if digests[r] != digests[src]]
-            odd += [(src, differ)] if differ else []
+        odd = _odd(survey)
         if not odd:
             return
-        keyed = [[(path_text(path), shown(path), digest) for path, digest in entries(state)] for state in states]
-        told = {r for src, differ in odd for r in (src, *differ)}
+        keyed = [[(path_text(path), shown(path), rep, shard) for path, rep, shard in entries(state)]
+                 for state in states]
+        told = {r for src, differ, _ in odd for r in (src, *differ)}
         tables = _exchange(comm, Op.CHECK_IDENTICAL, keyed if comm.rank in told else None)
     names = [type(obj).__name__ for obj in objects]
-    ranks = sorted(r for _, differ in odd for r in differ)
-    said = [_where_they_differ(tables, src, differ, names) for src, differ in odd]  # (one per shard class)
+    ranks = sorted({r for _, differ, _ in odd for r in differ})
+    said = [_where_they_differ(_projected(tables, k), src, differ, names) for src, differ, k in odd]
     text = "; and ".join([said[0], *(s.removeprefix("check_identical: ") for s in said[1:])])
     raise CollectiveMismatchError(text, op="check_identical", ranks=ranks)
+
+
+def _odd(survey: _Survey) -> list[tuple[int, list[int], int]]:
+    """Who differs from whom, in which part (0: replicated, 1: sharded): the ranks whose replicated
+    part differs from the job's first holder's (across every class), then in each class the ranks
+    whose shards differ from its source's (its first holder with the job's replicated part)."""
+    digests = survey.digests
+    first = survey.holds.index(True)
+    rep = [_part(d, 0) for d in digests]
+    differ = [r for r in range(len(digests)) if rep[r] != rep[first]]
+    odd = [(first, differ, 0)] if differ else []
+    for ranks in survey.classes:
+        holders = [r for r in ranks if survey.holds[r]]
+        src = next((r for r in holders if r not in differ), holders[0])
+        shards = [r for r in ranks if _part(digests[r], 1) != _part(digests[src], 1)]
+        odd += [(src, shards, 1)] if shards else []
+    return odd
+
+
+def _projected(tables: list[Any], k: int) -> list[Any]:
+    """Each rank's table with one part's digest (0: replicated, 1: the shards', DTensors only)."""
+    return [t if t is None else [[(text, path, e[k]) for text, path, *e in entries_ if e[k] is not None]
+                                 for entries_ in t] for t in tables]
 
 
 class _Survey(NamedTuple):
@@ -145,8 +193,8 @@ class _Survey(NamedTuple):
     """Which ranks hold the job's trained state."""
     classes: list[list[int]]
     """The ranks of each shard class (``_sharded``), in rank order; every class has a holder."""
-    digests: list[list[bytes]]
-    """Every rank's fingerprints (where asked for; else empty)."""
+    digests: list[list[tuple[bytes, bytes | None]]]
+    """Every rank's fingerprints (each object's replicated and sharded parts) (where asked for; else empty)."""
     catalogues: list[Any]
     """Every rank's snapshots where a shrink left the job to restore from them (``_elastic.restore``)."""
 
@@ -188,10 +236,11 @@ def _survey(comm: Communicator, objects: tuple[Any, ...], op: Op, digests: bool)
     return states, _Survey(holds, list(classes.values()), [g[5] for g in gathered], [g[6] for g in gathered])
 
 
-def _read_state(objects: tuple[Any, ...], digests: bool) -> tuple[list[Any], bytes, list[bytes]]:
+def _read_state(objects: tuple[Any, ...],
+                digests: bool) -> tuple[list[Any], bytes, list[tuple[bytes, bytes | None]]]:
     states = [obj.state_dict() if _stateful(obj) else obj for obj in objects]
     key = class_key(state_tensors(states, objects))
-    return states, key, [fingerprint(state) for state in states] if digests else []
+    return states, key, [fingerprints(state) for state in states] if digests else []
 
 
 def _read(fn: Callable[[], _R]) -> _R | str:

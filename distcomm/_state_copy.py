@@ -10,6 +10,12 @@ has one of that dtype and shape (a model's state_dict aliases its parameters, an
 its state tensors themselves; a DTensor's local shard), else a fresh tensor (a newcomer's Adam has
 no moments yet). ``load_state_dict`` then takes what arrived, with no second copy.
 
+What a peer announces is checked before a byte moves: each part's byte count (sent beside the
+header) must be its dtype and shape's, so that the receiver posts buffers of exactly the sizes that
+come; a tensor lands only where the receiver's state has a tensor or nothing (never in place of a
+learning rate). Where the communicator authenticates, the header also carries each part's digest
+(blake2b, under the header's MAC): the bytes are checked in scratch memory before they go on.
+
 Fresh tensors are bounded before any is allocated: by ``max_bytes`` where the communicator has one,
 else by this machine's memory. A transport that records messages as objects (the fake) takes the
 tensors inside the header instead (``_moves_bytes``).
@@ -19,6 +25,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
+import hmac
 import math
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +39,7 @@ from ._errors import PayloadTooLargeError, SerializationError, is_rank_loss
 from ._handles import as_caller
 from ._sharded import is_dtensor, layout_of, like, local_of, local_shape
 from ._wire.memory import PHYSICAL_MEMORY
+from ._wire.serialization import AuthenticatedSerializer
 
 if TYPE_CHECKING:
     from ._communicator import Communicator
@@ -141,15 +150,29 @@ def send_parts(comm: Communicator, r: int, header: list[Any], parts: list[torch.
                raw: bool = True) -> str | None:
     """Send a state already cut (``header``: each object's skeleton and specs; ``parts``: the
     tensors' bytes, in the specs' order) to rank ``r``, which takes it with ``receive_state``; why
-    it couldn't be serialized, or None."""
+    it couldn't be serialized, or None. Beside the header go each part's exact byte count (the
+    receiver posts no buffer of another size: gloo aborts the process on a longer message, and
+    leaves a shorter one's rest unwritten) and, where the communicator authenticates, each part's
+    digest: the header's MAC then covers the bytes too."""
+    parts = [_as_bytes(p) for p in parts] if raw else []
+    digests = [_digest(p) for p in parts] if _authenticated(comm) else None
     try:
-        comm.isend(header, r, tag=_STATE_TAG).wait()
+        comm.isend((header, [p.numel() for p in parts], digests), r, tag=_STATE_TAG).wait()
     except (SerializationError, PayloadTooLargeError) as e:
         comm.isend((_NOT_SENT, str(e)), r, tag=_STATE_TAG).wait()
         return str(e)
     if raw and comm.recv(r, tag=_ANSWER_TAG) is None:  # (else it refused, and says why in the call's end)
         comm._send_message(r, _BYTES_TAG, [p for p in parts if p.numel()], comm._op_timeout(None))
     return None
+
+
+def _authenticated(comm: Communicator) -> bool:
+    return isinstance(comm.serializer, AuthenticatedSerializer)
+
+
+def _digest(part: torch.Tensor) -> bytes:
+    """A part's bytes' digest (collision resistant: inside the MAC'd header, it binds the bytes)."""
+    return hashlib.blake2b(part.detach().numpy().data, digest_size=32).digest()
 
 
 def moves_bytes(comm: Communicator) -> bool:
@@ -172,7 +195,9 @@ class _Landing:
 def receive_state(comm: Communicator, objects: tuple[Any, ...], states: list[Any], src: int, which: list[int],
                   raw: bool, load: Callable[[Any, Any], None]) -> str | None:
     """The receiver's part: take the objects ``which`` from ``src`` and load them; why it couldn't,
-    or None. A rank lost on the way is raised (the call fails as for any lost rank)."""
+    or None. A rank lost on the way is raised (the call fails as for any lost rank). Whatever this
+    rank refuses or fails at before the bytes (a malformed header, no room) is answered: ``src``
+    never waits to send bytes that no one takes."""
     try:
         got = comm.recv(src, tag=_STATE_TAG)
     except Exception as e:  # (the safe loader refused it, ...: the call fails on every rank)
@@ -181,17 +206,64 @@ def receive_state(comm: Communicator, objects: tuple[Any, ...], states: list[Any
         return _answered(comm, src, raw, f"{type(e).__name__}: {e}")
     if isinstance(got, tuple) and got[:1] == (_NOT_SENT,):
         return f"rank {src} could not send it: {got[1]}"
-    landings, why = _landings(comm, got, [states[i] for i in which], objects)
-    if _answered(comm, src, raw, why) is not None:
-        return why
-    if raw:
-        bufs = [_as_bytes(land.buf) for lands in landings for land in lands.values()]
-        comm._recv_message(src, _BYTES_TAG, [b for b in bufs if b.numel()], comm._op_timeout(None))
     try:
-        for i, (skeleton, _), lands in zip(which, got, landings, strict=True):
+        header, sizes, digests = _unwrapped(got, raw, _authenticated(comm))
+        landings = _landings(comm, header, [states[i] for i in which], objects, sizes)
+    except Exception as e:  # (_Refused, or torch refusing to allocate: answered all the same)
+        return _answered(comm, src, raw, str(e) if isinstance(e, _Refused) else f"{type(e).__name__}: {e}")
+    _answered(comm, src, raw, None)
+    if raw:
+        why = _take_bytes(comm, src, [_as_bytes(land.buf) for lands in landings for land in lands.values()],
+                          digests)
+        if why is not None:
+            return why
+    try:
+        for i, (skeleton, _), lands in zip(which, header, landings, strict=True):
             load(objects[i], _filled(skeleton, lands))
     except Exception as e:  # (a load_state_dict of the user's: whatever it raises)
         return f"{type(e).__name__}: {e}"
+    return None
+
+
+class _Refused(ValueError):
+    """Why this rank refuses a header (its text is the reason, as the call's error gives it)."""
+
+
+def _unwrapped(got: Any, raw: bool, authenticated: bool) -> tuple[Any, list[int], list[bytes] | None]:
+    """The header, each part's byte count and digests, where they are what ``send_parts`` sends."""
+    if not (isinstance(got, tuple) and len(got) == 3 and isinstance(got[1], list)
+            and all(type(n) is int for n in got[1]) and (got[2] is None or isinstance(got[2], list))):
+        raise _Refused("the state's header is malformed")
+    header, sizes, digests = got
+    if authenticated and raw and not (isinstance(digests, list) and len(digests) == len(sizes)
+                                      and all(isinstance(d, bytes) for d in digests)):
+        raise _Refused("the state's header carries no digest of each tensor's bytes: this communicator "
+                       "authenticates the bytes too")
+    return header, sizes, digests if authenticated and raw else None
+
+
+def _take_bytes(comm: Communicator, src: int, bufs: list[torch.Tensor], digests: list[bytes] | None) -> str | None:
+    """The parts' bytes into ``bufs`` (each of the size the header said, checked: ``_landings``).
+    Authenticated, each arrives in scratch memory first and goes on only where its digest is the
+    one the MAC'd header gave: bytes changed on the way never become state (a part that came
+    before a changed one is in place: authentic, but the call fails)."""
+    timeout = comm._op_timeout(None)
+    if digests is None:
+        comm._recv_message(src, _BYTES_TAG, [b for b in bufs if b.numel()], timeout)
+        return None
+    scratch = torch.empty(max((b.numel() for b in bufs), default=0), dtype=torch.uint8)
+    changed = []
+    for i, (buf, digest) in enumerate(zip(bufs, digests, strict=True)):
+        got = scratch[:buf.numel()]
+        if buf.numel():  # (every part taken, changed or not: the sender's sends all end)
+            comm._recv_message(src, _BYTES_TAG, [got], timeout)
+        if hmac.compare_digest(_digest(got), digest):
+            buf.copy_(got)
+        else:
+            changed.append(i)
+    if changed:
+        return (f"the bytes of {len(changed)} tensor(s) (the first: part {changed[0]}) don't match the digest in "
+                f"the authenticated header: they were changed on the way")
     return None
 
 
@@ -199,9 +271,10 @@ def load_parts(comm: Communicator, objects: tuple[Any, ...], states: list[Any], 
                parts: list[torch.Tensor], load: Callable[[Any, Any], None]) -> str | None:
     """Load a state this rank holds cut (a snapshot of its own: ``send_parts``' arguments) into
     ``objects``, its tensors into their own, as ``receive_state`` does; why it couldn't, or None."""
-    landings, why = _landings(comm, header, states, objects)
-    if why is not None:
-        return why
+    try:
+        landings = _landings(comm, header, states, objects, [p.numel() * p.element_size() for p in parts])
+    except Exception as e:  # (_Refused, or torch refusing to allocate)
+        return str(e) if isinstance(e, _Refused) else f"{type(e).__name__}: {e}"
     bufs = [_as_bytes(lands[spec[0]].buf) for (_, specs), lands in zip(header, landings, strict=True)
             for spec in specs]
     for buf, part in zip(bufs, parts, strict=True):
@@ -236,52 +309,88 @@ def _filled(skeleton: Any, landings: dict[int, _Landing]) -> Any:
     return rebuilt(skeleton, leaf) if landings else skeleton
 
 
-def _landings(comm: Communicator, header: Any, own_states: list[Any],
-              objects: tuple[Any, ...]) -> tuple[list[dict[int, _Landing]], str | None]:
-    """Where each announced tensor lands, per object (by leaf number); or why this rank refuses the
-    header: malformed, a dtype it doesn't know, more fresh memory than it may allocate (checked
-    before any is allocated)."""
+def _landings(comm: Communicator, header: Any, own_states: list[Any], objects: tuple[Any, ...],
+              sizes: list[int]) -> list[dict[int, _Landing]]:
+    """Where each announced tensor lands, per object (by leaf number). Raises _Refused where this
+    rank refuses the header: malformed, a dtype it doesn't know, a tensor where this rank's state
+    holds something else, a part whose byte count (``sizes``, what the source sends) isn't its
+    spec's, more fresh memory than it may allocate (checked before any is allocated)."""
     if not (isinstance(header, list) and len(header) == len(own_states)
             and all(isinstance(h, tuple) and len(h) == 2 and isinstance(h[1], list) for h in header)):
-        return [], "the state's header is malformed"
+        raise _Refused("the state's header is malformed")
+    if len(sizes) != sum(len(specs) for _, specs in header):
+        raise _Refused(f"the state's header announces {len(sizes)} parts for its tensors' bytes, not one each")
     models = _own_dtensors(own_states, objects)
     plans: list[dict[int, Callable[[], _Landing]]] = []
-    fresh = 0
+    fresh, numbered = 0, iter(sizes)
     for (skeleton, specs), own_state in zip(header, own_states, strict=True):
-        own = {_key(path): t for path, t in leaves(own_state) if isinstance(t, torch.Tensor)}
+        own = dict(_nodes(own_state))
         at = dict(enumerate(path for path, _ in leaves(skeleton)))
         plans.append({})
         for spec in specs:
-            checked = _checked(spec, at, plans[-1])
-            if isinstance(checked, str):
-                return [], checked
-            planned = _land(comm, checked, own.get(_key(at[checked[0]])), models)
+            n, _, _, _, layout = checked = _checked(spec, at, plans[-1], next(numbered))
+            mine = own.get(_key(at[n]))
+            if not (mine is None or isinstance(mine, torch.Tensor)):  # (lr, a step count: never a tensor)
+                raise _Refused(f"a tensor is announced at {_shown(at[n])}, where this rank's state holds a "
+                               f"{type(mine).__name__}")
+            planned = _land(comm, checked, mine, models)
             if planned is None:
-                return [], f"this rank has no DTensor laid out as {checked[4]} to hold the shard announced"
+                raise _Refused(f"this rank has no DTensor laid out as {layout} to hold the shard announced")
             fresh += planned[0]
-            plans[-1][checked[0]] = planned[1]
+            plans[-1][n] = planned[1]
     cap = PHYSICAL_MEMORY if comm.max_bytes is None else min(comm.max_bytes, PHYSICAL_MEMORY)
     if fresh > cap:
-        return [], f"the state needs {fresh} bytes of fresh tensors here, over {_cap_name(comm)}"
-    return [{n: make() for n, make in plan.items()} for plan in plans], None
+        raise _Refused(f"the state needs {fresh} bytes of fresh tensors here, over {_cap_name(comm)}")
+    return [{n: make() for n, make in plan.items()} for plan in plans]
+
+
+def _nodes(state: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    """Every node of ``state`` (containers too) by its path's key."""
+    yield _key(path), state
+    if _descends(state):
+        for k, v in (state.items() if isinstance(state, dict) else enumerate(state)):
+            yield from _nodes(v, (*path, k))
+
+
+def _shown(path: tuple[Any, ...]) -> str:
+    return repr(".".join(map(str, path)))
 
 
 def _cap_name(comm: Communicator) -> str:
     return "this machine's memory" if comm.max_bytes is None else f"max_bytes={comm.max_bytes}"
 
 
-def _checked(spec: Any, at: dict[int, tuple[Any, ...]], taken: dict[int, Any]) -> Spec | str:
-    """``spec`` where it is well formed and names a leaf the skeleton left empty, once; else why not."""
+_MAX_BYTES = 1 << 62
+"""No tensor announced may span more (its dims' product with zeros taken as ones, in bytes): a zero
+dim beside a huge one is no tensor torch can make."""
+
+
+def _checked(spec: Any, at: dict[int, tuple[Any, ...]], taken: dict[int, Any], size: int) -> Spec:
+    """``spec`` where it is well formed, names a leaf the skeleton left empty, once, and its bytes
+    (``size``: what the source sends) are its dtype and shape's; else raises _Refused."""
     if not (isinstance(spec, tuple) and len(spec) == 5):
-        return "a tensor's announcement is malformed"
+        raise _Refused("a tensor's announcement is malformed")
     n, dtype, shape, device, layout = spec
     if type(n) is not int or n in taken or n not in at:
-        return f"a tensor's announcement names no free leaf of the state ({n!r})"
+        raise _Refused(f"a tensor's announcement names no free leaf of the state ({n!r})")
     if dtype not in _DTYPES or device not in ("cpu", "cuda") or not (layout is None or isinstance(layout, str)):
-        return f"a tensor's announcement is not one this rank can hold: {dtype!r} on {device!r}"
-    if not (isinstance(shape, tuple) and len(shape) <= _MAX_DIMS and all(type(s) is int and s >= 0 for s in shape)):
-        return f"a tensor's shape is malformed: {shape!r}"
+        raise _Refused(f"a tensor's announcement is not one this rank can hold: {dtype!r} on {device!r}")
+    if not (isinstance(shape, tuple) and len(shape) <= _MAX_DIMS and all(type(s) is int and s >= 0 for s in shape)
+            and _span(shape, _DTYPES[dtype].itemsize) <= _MAX_BYTES):
+        raise _Refused(f"a tensor's shape is malformed: {shape!r}")
+    if size != math.prod(shape) * _DTYPES[dtype].itemsize:
+        raise _Refused(f"a tensor announced as {dtype} {shape} comes as {size} bytes")
     return n, dtype, shape, device, layout
+
+
+def _span(shape: tuple[int, ...], itemsize: int) -> int:
+    """The dims' product (zeros as ones) times ``itemsize``, stopping once over ``_MAX_BYTES``."""
+    span = itemsize
+    for s in shape:
+        span *= max(s, 1)
+        if span > _MAX_BYTES:
+            break
+    return span
 
 
 def _own_dtensors(own_states: list[Any], objects: tuple[Any, ...]) -> dict[str, Any]:

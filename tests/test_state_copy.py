@@ -145,3 +145,160 @@ def test_fsdp2_hsdp_state_goes_to_each_rank_from_a_holder_of_its_own_shards(repa
         for r in (0, 2):
             assert all(torch.equal(a, b) for a, b in zip(out[r]["before"], out[r]["after"], strict=True))
         assert out[0]["sent"] == out[2]["sent"] == 0
+
+
+# ---------------------------------------------------------------- replicated state across shard classes
+def _hsdp(comm: distcomm.Communicator, shape: tuple[int, ...]) -> tuple[Any, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    names = ("replicate", "shard")[-len(shape):]
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(6, 8, generator=torch.Generator().manual_seed(0))).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    return model, opt
+
+
+def _ahead(opt: Any, progress: dict[str, Any]) -> None:
+    progress["step"] = 99
+    for group in opt.param_groups:
+        group["lr"] = 5.0
+
+
+def _replicated(comm: distcomm.Communicator) -> dict[str, Any]:
+    """2 x 2 HSDP: rank 3 alone a step ahead in its replicated state (its class's rank 1 is right:
+    it hands it over); then ranks 1 and 3 both (their class has no holder of the job's)."""
+    model, opt = _hsdp(comm, (2, 2))
+    progress = {"step": 1}
+    if comm.rank == 3:
+        _ahead(opt, progress)
+    with pytest.raises(distcomm.CollectiveMismatchError) as one:
+        comm.check_identical(model, opt, progress)
+    comm.sync_state(model, opt, progress)
+    synced = (progress["step"], opt.param_groups[0]["lr"])
+    comm.check_identical(model, opt, progress)
+    if comm.rank in (1, 3):
+        _ahead(opt, progress)
+    with pytest.raises(distcomm.CollectiveMismatchError) as both:
+        comm.check_identical(model, opt, progress)
+    with pytest.raises(distcomm.CollectiveMismatchError) as refused:
+        comm.sync_state(model, opt, progress)
+    return {"one": (str(one.value), one.value.ranks), "synced": synced,
+            "both": (str(both.value), both.value.ranks), "refused": (str(refused.value), refused.value.ranks)}
+
+
+def test_replicated_state_is_compared_and_handed_over_across_shard_classes() -> None:
+    for r, out in enumerate(spawn(_replicated, 4, timeout=180)):
+        text, ranks = out["one"]
+        assert ranks == (3,) and "rank(s) [3] differs from rank 0's; first at object 1 (Adam), key 'param_groups" \
+            in text, (r, text)
+        assert out["synced"] == (1, 0.1), (r, out)
+        text, ranks = out["both"]
+        assert ranks == (1, 3) and "rank(s) [1, 3] differs from rank 0's" in text, (r, text)
+        text, ranks = out["refused"]
+        assert ranks == (1, 3) and "no rank among [1, 3], which hold the same shards" in text, (r, text)
+
+
+def _one_replica(comm: distcomm.Communicator) -> tuple[str, str]:
+    """After a shrink to one replica, each shard class has one member: still compared."""
+    model, opt = _hsdp(comm, (2,))
+    progress = {"step": 99 if comm.rank == 1 else 1}
+    with pytest.raises(distcomm.CollectiveMismatchError) as caught:
+        comm.check_identical(model, opt, progress)
+    with pytest.raises(distcomm.CollectiveMismatchError) as refused:
+        comm.sync_state(model, opt, progress)
+    return str(caught.value), str(refused.value)
+
+
+def test_one_member_shard_classes_still_compare_their_replicated_state() -> None:
+    for text, refused in spawn(_one_replica, 2, timeout=120):
+        assert "rank(s) [1] differs from rank 0's; first at object 2 (dict), key 'step'" in text, text
+        assert "no rank among [1]" in refused, refused
+
+
+# ---------------------------------------------------------------- what a peer announces
+def _announced(comm: distcomm.Communicator, mode: str) -> tuple[float, str, list[float]]:
+    """Rank 0's header lies about its bytes (fewer, more) or announces a shape torch can't make."""
+    import time
+
+    import distcomm._state_copy as sc
+
+    state = {"a": torch.arange(4, dtype=torch.float32) if comm.rank == 0 else torch.full((4,), -1.0)}
+    comm._holds_state = comm.rank == 0
+    if comm.rank == 0:
+        cut = sc._cut
+
+        def lying(s: Any) -> Any:
+            skeleton, specs, parts = cut(s)
+            n, dtype, _, device, layout = specs[0]
+            if mode == "zero_huge":
+                specs[0], parts[0] = (n, dtype, (0, 2**63), device, layout), parts[0][:0]
+            elif mode == "short":
+                parts[0] = parts[0][:8]
+            else:
+                specs[0] = (n, dtype, (2,), device, layout)
+            return skeleton, specs, parts
+
+        sc._cut = lying  # type: ignore[assignment]
+    began = time.monotonic()
+    try:
+        with pytest.raises(distcomm.SerializationError) as caught:
+            comm.sync_state(state)
+    finally:
+        if comm.rank == 0:  # (a reused process: as it was)
+            sc._cut = cut
+    return time.monotonic() - began, str(caught.value), state["a"].tolist()
+
+
+@pytest.mark.parametrize(("mode", "said"), [("short", "comes as 8 bytes"), ("long", "comes as 16 bytes"),
+                                            ("zero_huge", "shape is malformed")])
+def test_a_header_whose_bytes_are_not_its_shapes_fails_the_call_at_once(mode: str, said: str) -> None:
+    for took, text, a in spawn(lambda comm: _announced(comm, mode), 2, timeout=60):
+        assert said in text and took < 20, (took, text)
+    assert a == [-1.0] * 4
+
+
+def _tensor_for_a_number(comm: distcomm.Communicator) -> tuple[str, Any]:
+    state = {"w": torch.ones(2), "lr": torch.tensor(5.0) if comm.rank == 0 else 0.1}
+    with pytest.raises(distcomm.SerializationError) as caught:
+        comm.sync_state(state)
+    return str(caught.value), state["lr"]
+
+
+def test_a_tensor_where_the_receiver_holds_a_number_is_refused() -> None:
+    text, lr = spawn(_tensor_for_a_number, 2, timeout=60)[1]
+    assert "a tensor is announced at 'lr', where this rank's state holds a float" in text, text
+    assert lr == 0.1
+
+
+# ---------------------------------------------------------------- authenticated bytes
+def _changed_on_the_way(comm: distcomm.Communicator) -> tuple[str, list[float], str]:
+    import distcomm._state_copy as sc
+
+    state = {"w": torch.full((4,), 1.5) if comm.rank == 0 else torch.zeros(4), "b": torch.ones(3)}
+    comm._holds_state = comm.rank == 0
+    send = comm._send_message
+
+    def on_the_way(dst: int, tag: int, parts: list[torch.Tensor], timeout: float | None) -> None:
+        if tag == sc._BYTES_TAG:  # (someone on the path: the first tensor's bytes changed)
+            parts = [parts[0].clone().fill_(7), *parts[1:]]
+        send(dst, tag, parts, timeout)
+
+    comm._send_message = on_the_way  # type: ignore[method-assign]
+    with pytest.raises(distcomm.SerializationError) as caught:
+        comm.sync_state(state)
+    return str(caught.value), state["w"].tolist(), comm.serializer.name
+
+
+def test_authenticated_tensor_bytes_changed_on_the_way_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DISTCOMM_SERIALIZER", "authenticated-safe")
+    outs = spawn(_changed_on_the_way, 2, timeout=60)
+    for text, _, name in outs:
+        assert name == "authenticated safe", name
+        assert "don't match the digest in the authenticated header" in text, text
+    assert outs[1][1] == [0.0] * 4  # (the changed bytes never became the receiver's state)
