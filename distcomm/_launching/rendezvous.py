@@ -601,11 +601,23 @@ def rejoin(seat: Seat, world: int, seconds: float) -> Seat:
     """Wait as a replacement does, until the members' ``admit()`` lets this process in again: a
     member that the others' shrink left out while it lived (its replica lost a rank: see
     ``_mesh``). A place of its own in the open round under a new token, proven with the job's key
-    over the members' ticket, as any newcomer's."""
+    over the members' ticket, as any newcomer's. Meanwhile it says so under ``rejoin_key`` (a
+    launcher's agent ends such a process once the job is over)."""
     token = f"{socket.gethostname()} pid {os.getpid()} {secrets.token_hex(8)}"
     number = _take_place(seat.job, seat.job_rank, world, token, seat.where)
-    seat.job.set(f"round-{number}/{pid_key(seat.job_rank, token)}", f"{machine()}:{os.getpid()}")
+    here = f"{machine()}:{os.getpid()}"
+    seat.job.set(f"round-{number}/{pid_key(seat.job_rank, token)}", here)
+    seat.job.set(rejoin_key(seat.job_rank), here)
     watch = _StoreWatch("", 0, hosted=seat.hosted, serving=True)  # (its shrink saw the store there)
-    new = _wait_for_round(seat.job, number, seat.job_rank, world, token, time.monotonic() + seconds, seconds,
-                          seat.where, watch)
+    try:
+        new = _wait_for_round(seat.job, number, seat.job_rank, world, token, time.monotonic() + seconds, seconds,
+                              seat.where, watch)
+    finally:
+        seat.job.set(rejoin_key(seat.job_rank), "")
     return dataclasses.replace(new, hosted=seat.hosted)
+
+
+def rejoin_key(job_rank: int) -> str:
+    """Where a member left out by a shrink says, while it waits to be let in again, where it runs
+    (``<machine>:<pid>``; empty once it is in, or gave up)."""
+    return f"rejoining/{job_rank}"

@@ -72,20 +72,15 @@ class JobStore:
         return found
 
     def waiting(self) -> set[int]:
-        """The pids of this machine's processes that wait in a round of the job to be let in: not
-        yet admitted, in a round that never completed (a first meeting did)."""
-        keys = self._keys()
-        done = {k.rpartition("/")[0] for k in keys if k.endswith("/complete")}
+        """The pids of this machine's processes that a shrink left out, while they wait to be let
+        in again (``rendezvous.rejoin``: a rank whose replica lost another)."""
         records = self._records()
         found = set()
-        for key in keys:
-            head, sep, rest = key.rpartition("/pid/")
-            if not sep or head in done or records.check([f"{head}/admitted/{rest}"]):
-                continue
-            said = records.read(key)
+        for key in self._keys():
+            said = records.read(key) if re.search(r"/rejoining/\d+$", key) else None
             if said:
                 where, _, pid = said.decode().rpartition(":")
-                if where == machine():
+                if where == machine() and pid.isdigit():
                     found.add(int(pid))
         return found
 
