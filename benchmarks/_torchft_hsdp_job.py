@@ -11,7 +11,6 @@ apart (``make bench-recovery``: benchmarks/.deps)."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -19,9 +18,9 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-import distcomm
+from _torchft_job import start_lighthouse, torchft_env
 
-DEPS = Path(__file__).parent / ".deps"
+import distcomm
 
 JOB = textwrap.dedent("""
     import json, os, signal, sys, time
@@ -125,32 +124,21 @@ JOB = textwrap.dedent("""
     dist.destroy_process_group()
 """)
 
-LIGHTHOUSE = "import sys\nfrom torchft._torchft import lighthouse_main\nsys.exit(lighthouse_main())\n"
-
-
 def available() -> str | None:
     """None where torchft imports; else why not (its last line)."""
-    probe = subprocess.run([sys.executable, "-c", "import torchft"], env=_env(), capture_output=True, text=True,
+    probe = subprocess.run([sys.executable, "-c", "import torchft"], env=torchft_env(), capture_output=True, text=True,
                            timeout=120)
     return None if probe.returncode == 0 else (probe.stderr.strip().splitlines() or ["?"])[-1]
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    path = os.pathsep.join([str(DEPS), *(p for p in sys.path if p)])
-    return {**env, "PYTHONPATH": path, **extra}
 
 
 def run(work: Path, kill_step: int, pause: float) -> list[dict[str, Any]]:
     """One job of 2 replica groups of 2 ranks; group 1's rank 1 killed at ``kill_step``, its group
     restarted by its torchrun; each surviving or restarted process's RESULT."""
     (work / "torchft_job.py").write_text(JOB)
-    port = distcomm.free_port()
-    (work / "lighthouse.py").write_text(LIGHTHOUSE)  # (it reads the process's own arguments: no -c)
-    lighthouse = subprocess.Popen([sys.executable, str(work / "lighthouse.py"), "--min_replicas", "1",
-                                   "--bind", f"127.0.0.1:{port}"], env=_env(), stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL)
-    env = _env(TORCHFT_LIGHTHOUSE=f"http://127.0.0.1:{port}")
+    lighthouse, url = start_lighthouse(work)
+    env = torchft_env(TORCHFT_LIGHTHOUSE=url)
     groups = []
     for replica in range(2):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",

@@ -67,25 +67,34 @@ LIGHTHOUSE = "import sys\nfrom torchft._torchft import lighthouse_main\nsys.exit
 
 
 def available() -> bool:
-    probe = subprocess.run([sys.executable, "-c", "import torchft"], env=_env(), capture_output=True, timeout=120)
+    probe = subprocess.run([sys.executable, "-c", "import torchft"], env=torchft_env(), capture_output=True,
+                           timeout=120)
     return probe.returncode == 0
 
 
-def _env(**extra: str) -> dict[str, str]:
+def torchft_env(**extra: str) -> dict[str, str]:
+    """The environment of a process that imports torchft (from benchmarks/.deps): no rank variables."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     path = os.pathsep.join([str(DEPS), *(p for p in sys.path if p)])
-    return {**os.environ, "PYTHONPATH": path, **extra}
+    return {**env, "PYTHONPATH": path, **extra}
+
+
+def start_lighthouse(work: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """torchft's lighthouse with its defaults (any quorum of one replica or more), and its address."""
+    port = distcomm.free_port()
+    (work / "lighthouse.py").write_text(LIGHTHOUSE)  # (it reads the process's own arguments: no -c)
+    lighthouse = subprocess.Popen([sys.executable, str(work / "lighthouse.py"), "--min_replicas", "1",
+                                   "--bind", f"127.0.0.1:{port}"], env=torchft_env(), stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL)
+    return lighthouse, f"http://127.0.0.1:{port}"
 
 
 def run(work: Path, world: int) -> list[dict[str, Any]]:
     """One job of ``world`` replicas, replica ``world - 1`` killed at step 20 and started again; each
     process's RESULT."""
     (work / "torchft_job.py").write_text(JOB)
-    port = distcomm.free_port()
-    (work / "lighthouse.py").write_text(LIGHTHOUSE)  # (it reads the process's own arguments: no -c)
-    lighthouse = subprocess.Popen([sys.executable, str(work / "lighthouse.py"), "--min_replicas", "1",
-                                   "--bind", f"127.0.0.1:{port}"], env=_env(), stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL)
-    env = _env(TORCHFT_LIGHTHOUSE=f"http://127.0.0.1:{port}")
+    lighthouse, url = start_lighthouse(work)
+    env = torchft_env(TORCHFT_LIGHTHOUSE=url)
 
     def start(replica: int, *newcomer: str) -> subprocess.Popen[str]:
         return subprocess.Popen([sys.executable, str(work / "torchft_job.py"), str(work), str(world - 1)],

@@ -21,9 +21,7 @@ Prints a markdown table (and writes benchmarks/out/recovery_ddp.md).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -33,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import _torchft_job  # (run as a script: benchmarks/ is on the path)
+from _jobs import job_env, results
 from _report import publish
 
 import distcomm
@@ -96,23 +95,13 @@ JOB = textwrap.dedent("""
 """)
 
 
-def _env(extra: dict[str, str]) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    return {**env, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), **extra}
-
-
-def _results(text: str) -> list[dict[str, Any]]:
-    # (ranks that print at once may share a line of torchrun's output)
-    return [json.loads(m) for m in re.findall(r"RESULT (\{[^{}]*\})", text)]
-
-
 def _distcomm(work: Path, world: int) -> tuple[float, float]:
     cmd = [sys.executable, "-m", "distcomm", "run", "--nproc-per-node", str(world), "--replacements", "1",
            str(work / "job.py"), str(work), str(world - 1)]
-    out = subprocess.run(cmd, text=True, capture_output=True, timeout=600, env=_env({"DISTCOMM_RUN": "1"}))
+    out = subprocess.run(cmd, text=True, capture_output=True, timeout=600, env=job_env({"DISTCOMM_RUN": "1"}))
     if out.returncode:
         raise RuntimeError(f"the distcomm job failed:\n{out.stderr[-3000:]}")
-    return _figures(work, _results(out.stdout))
+    return _figures(work, results(out.stdout))
 
 
 def _distcomm_built_first(work: Path, world: int) -> tuple[float, float]:
@@ -127,10 +116,10 @@ def _restart(work: Path, world: int) -> tuple[float, float]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--max-restarts", "1",
            "--master-addr", "127.0.0.1", "--master-port", str(distcomm.free_port()), str(work / "job.py"),
            str(work), str(world - 1)]
-    out = subprocess.run(cmd, text=True, capture_output=True, timeout=600, env=_env({}))
+    out = subprocess.run(cmd, text=True, capture_output=True, timeout=600, env=job_env({}))
     if out.returncode:
         raise RuntimeError(f"the torchrun job failed:\n{out.stderr[-3000:]}")
-    return _figures(work, _results(out.stdout))
+    return _figures(work, results(out.stdout))
 
 
 def _figures(work: Path, results: list[dict[str, Any]]) -> tuple[float, float]:

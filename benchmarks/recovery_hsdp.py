@@ -30,9 +30,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import os
-import re
 import statistics
 import subprocess
 import sys
@@ -42,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import _torchft_hsdp_job  # (run as a script: benchmarks/ is on the path)
+from _jobs import job_env, results
 from _report import publish
 
 import distcomm
@@ -138,35 +136,25 @@ JOB = textwrap.dedent("""
 """)
 
 
-def _env(extra: dict[str, str]) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    return {**env, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), **extra}
-
-
-def _results(text: str) -> list[dict[str, Any]]:
-    # (ranks that print at once may share a line of the launcher's output)
-    return [json.loads(m) for m in re.findall(r"RESULT (\{[^{}]*\})", text)]
-
-
 def _args(work: Path) -> list[str]:
     return [str(work / "job.py"), str(work), str(KILL_STEP), str(PAUSE)]
 
 
 def _distcomm(work: Path) -> list[dict[str, Any]]:
     cmd = [sys.executable, "-m", "distcomm", "run", "--nproc-per-node", "4", "--replacements", "1", *_args(work)]
-    out = subprocess.run(cmd, text=True, capture_output=True, timeout=300, env=_env({"DISTCOMM_RUN": "1"}))
+    out = subprocess.run(cmd, text=True, capture_output=True, timeout=300, env=job_env({"DISTCOMM_RUN": "1"}))
     if out.returncode:
         raise RuntimeError(f"the distcomm job failed:\n{out.stderr[-3000:]}")
-    return _results(out.stdout)
+    return results(out.stdout)
 
 
 def _restart(work: Path) -> list[dict[str, Any]]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--max-restarts", "1",
            "--master-addr", "127.0.0.1", "--master-port", str(distcomm.free_port()), *_args(work)]
-    out = subprocess.run(cmd, text=True, capture_output=True, timeout=300, env=_env({}))
+    out = subprocess.run(cmd, text=True, capture_output=True, timeout=300, env=job_env({}))
     if out.returncode:
         raise RuntimeError(f"the torchrun job failed:\n{out.stderr[-3000:]}")
-    return _results(out.stdout)
+    return results(out.stdout)
 
 
 def _torchft(work: Path) -> list[dict[str, Any]]:
