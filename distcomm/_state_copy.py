@@ -136,8 +136,10 @@ def send_state(comm: Communicator, states: list[Any], to: dict[int, list[int]], 
     with ThreadPoolExecutor(len(to), thread_name_prefix="distcomm-state") as pool:
         sends = [pool.submit(as_caller(functools.partial(_send_to, comm, r, [states[i] for i in which], raw)))
                  for r, which in to.items()]
-        said = [s.result() for s in sends]
-    return next((s for s in said if s is not None), None)
+    failed = [e for e in (s.exception() for s in sends) if e is not None]
+    if failed:  # a lost rank breaks the communicator, and the other sends fail on that: the loss is raised
+        raise next((e for e in failed if is_rank_loss(e)), failed[0])
+    return next((said for said in (s.result() for s in sends) if said is not None), None)
 
 
 def _send_to(comm: Communicator, r: int, states: list[Any], raw: bool) -> str | None:

@@ -302,3 +302,45 @@ def test_authenticated_tensor_bytes_changed_on_the_way_are_refused(monkeypatch: 
         assert name == "authenticated safe", name
         assert "don't match the digest in the authenticated header" in text, text
     assert outs[1][1] == [0.0] * 4  # (the changed bytes never became the receiver's state)
+
+
+# ---------------------------------------------------------------- a receiver lost on the way
+def _one_receiver_lost(comm: distcomm.Communicator) -> str:
+    """Rank 0 hands its state to ranks 1 and 2 at once; rank 2 dies as it begins to receive, and
+    rank 0's send to rank 1 begins only after that."""
+    import os
+    import time
+
+    import distcomm._state as st
+    import distcomm._state_copy as sc
+
+    receive, send_to = st.receive_state, sc._send_to
+
+    def receiving(*args: Any) -> Any:
+        if comm.rank == 2:
+            os._exit(3)
+        return receive(*args)
+
+    def sending(c: Any, r: int, *args: Any) -> Any:
+        if r == 1:
+            time.sleep(3)
+        return send_to(c, r, *args)
+
+    st.receive_state, sc._send_to = receiving, sending  # type: ignore[assignment]
+    comm._timeout = 10.0  # (rank 1 then waits no longer than that for a state that never comes)
+    comm._holds_state = comm.rank == 0
+    try:
+        comm.sync_state({"w": torch.full((4,), float(comm.rank == 0))})
+    except distcomm.DistCommError as e:
+        return type(e).__name__
+    finally:
+        st.receive_state, sc._send_to = receive, send_to
+    return "returned"
+
+
+def test_a_receiver_lost_while_others_receive_fails_the_source_as_a_lost_rank() -> None:
+    """The source's other sends fail only because its communicator broke on the loss; what it raises
+    is the loss (``PeerError``), on which an elastic loop shrinks, not their ``CommunicatorStateError``."""
+    source, late, lost = spawn(_one_receiver_lost, 3, timeout=60, return_exceptions=True)
+    assert source == "PeerError", source
+    assert isinstance(lost, distcomm.RankFailedError) and late != "returned", (late, lost)
