@@ -139,11 +139,9 @@ class SubCommunicators:
         ``sync_state`` takes the job back to that step). Collective: every rank calls it, while the
         job is whole (a newcomer too, once let in: its first call). One mesh per job.
         """
-        comm = front_door(self)
-        comm._check_usable()
         from ._mesh import device_mesh  # (imports torch's DeviceMesh: only where a mesh is asked for)
 
-        return device_mesh(comm, mesh_shape, mesh_dim_names)
+        return device_mesh(front_door(self), mesh_shape, mesh_dim_names)
 
     def new_group(self, ranks: Sequence[int], *,
                   timeout: float | datetime.timedelta | None = None) -> Communicator | None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import GroupName
 
 from ._errors import CommunicatorStateError
-from ._torch_tables import enter
+from ._torch_tables import enter, leave
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -63,6 +63,12 @@ class MeshLayout:
         """Which of dimension ``dim``'s groups ``job_rank`` is in: its coordinates on the other dimensions."""
         rest = [c for d, c in enumerate(self.coords(job_rank)) if d != dim]
         return int(np.ravel_multi_index(rest, [s for d, s in enumerate(self.shape) if d != dim])) if rest else 0
+
+    def ranks_along(self, dim: int, job_rank: int) -> list[int]:
+        """The job ranks of ``job_rank``'s group along dimension ``dim``, in that group's rank order."""
+        coords = list(self.coords(job_rank))
+        return [int(np.ravel_multi_index([*coords[:dim], c, *coords[dim + 1:]], self.shape))
+                for c in range(self.shape[dim])]
 
     def replica(self, job_rank: int) -> int:
         """The replica ``job_rank`` belongs to (a mesh without a replicate dimension is one replica)."""
@@ -122,6 +128,8 @@ _FORWARDED = (
 
 def _forwarder(name: str) -> Any:
     def forward(self: FollowingGroup, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(self._target, NotJoinedGroup):  # (a collective before a replacement's first call)
+            self._target.join()
         return getattr(self._target, name)(*args, **kwargs)
     forward.__name__ = name
     return forward
@@ -136,15 +144,16 @@ _NAMES = itertools.count()
 class ElasticMesh:
     """The mesh a job's communicators share: its layout, torch's ``DeviceMesh`` and the groups it follows."""
 
-    def __init__(self, comm: Communicator, layout: MeshLayout, device_type: str) -> None:
+    def __init__(self, layout: MeshLayout, device_type: str, targets: Sequence[Any]) -> None:
+        """The mesh over ``targets``, this rank's group along each dimension (``over``, ``before_join``)."""
         self.layout = layout
         self.snapshots: Snapshots | None = None
         """This rank's snapshots of its shards and its predecessor's (``comm.snapshot``)."""
-        subs = self._lines(comm)
+        self._not_joined: list[NotJoinedGroup] = []
         serial = next(_NAMES)
-        self.groups = [FollowingGroup(f"distcomm-mesh-{serial}-{layout.names[d]}", sub.group)
-                       for d, sub in enumerate(subs)]
-        self._register(subs)
+        self.groups = [FollowingGroup(f"distcomm-mesh-{serial}-{layout.names[d]}", target)
+                       for d, target in enumerate(targets)]
+        self._register(targets)
         from torch.distributed.device_mesh import DeviceMesh
 
         ranks = torch.arange(layout.size, dtype=torch.int).reshape(layout.shape)  # (global ranks: the job is whole)
@@ -153,13 +162,47 @@ class ElasticMesh:
             groups if len(groups) > 1 else groups[0], device_type,
             mesh=ranks if len(self.groups) > 1 else ranks.flatten().tolist(), mesh_dim_names=layout.names)
 
+    @classmethod
+    def over(cls, comm: Communicator, layout: MeshLayout) -> ElasticMesh:
+        """The mesh over the groups of ``comm``'s members (a collective of theirs)."""
+        return cls(layout, comm.device.type, [sub.group for sub in _lines(comm, layout)])
+
+    @classmethod
+    def before_join(cls, comm: Communicator, layout: MeshLayout, job_rank: int,
+                    join: Callable[[], None]) -> ElasticMesh:
+        """A replacement's mesh before it joins (``_launching.joining``): FSDP is built over it off
+        the members' path, as it is built in a torch script, after ``from_env()``. Its groups (and,
+        meanwhile, torch's default group) know their ranks and sizes in the whole job, which a
+        replacement is let into; their first collective (or the process's first call) joins."""
+        world = NotJoinedGroup(job_rank, layout.size, join)
+        dist.distributed_c10d._update_default_pg(world)  # (DeviceMesh reads this rank's from it)
+        enter(world, GroupName("distcomm-not-joined-world"), range(layout.size), comm.backend, "")
+        targets = []
+        for dim in range(len(layout.shape)):
+            group = NotJoinedGroup(layout.coords(job_rank)[dim], layout.shape[dim], join)
+            enter(group, GroupName(f"distcomm-not-joined-{next(_NAMES)}"), layout.ranks_along(dim, job_rank),
+                  comm.backend, "")
+            targets.append(group)
+        mesh = cls(layout, comm.device.type, targets)
+        mesh._not_joined = [world, *targets]
+        return mesh
+
+    def joining(self) -> None:
+        """Before the replacement joins: torch's default group is the membership's from here, and
+        the mesh's groups are entered again over the membership's (``follow``)."""
+        for group in [*self._not_joined, *self.groups]:
+            leave(group, dist.distributed_c10d._world.pg_names[group])
+        if dist.distributed_c10d._world.default_pg is self._not_joined[0]:
+            dist.distributed_c10d._update_default_pg(None)
+        self._not_joined = []
+
     def follow(self, comm: Communicator) -> None:
         """Point the mesh's groups at ``comm``'s (a collective of its members: every one of them
         that holds the mesh calls it as its membership is made, a newcomer in its ``device_mesh()``)."""
-        subs = self._lines(comm)
-        for group, sub in zip(self.groups, subs, strict=True):
-            group.follow(sub.group)
-        self._register(subs)
+        targets = [sub.group for sub in _lines(comm, self.layout)]
+        for group, target in zip(self.groups, targets, strict=True):
+            group.follow(target)
+        self._register(targets)
 
     def unrestorable(self, lost: Sequence[int]) -> str:
         """Why this rank's snapshots can't bring back the job ranks ``lost`` ("" where they can)."""
@@ -167,23 +210,38 @@ class ElasticMesh:
             return "no snapshot was taken (comm.snapshot after each step)"
         return self.snapshots.unrestorable(tuple(lost))
 
-    def _lines(self, comm: Communicator) -> list[Communicator]:
-        """This rank's group along each dimension, of ``comm``'s members (made on every member in the same order)."""
-        me = comm.membership.job_ranks[comm.rank]
-        subs = []
-        for dim in range(len(self.layout.shape)):
-            sub = comm.split(self.layout.line(dim, me), key=self.layout.coords(me)[dim])
-            assert sub is not None
-            subs.append(sub)
-        return subs
-
-    def _register(self, subs: Sequence[Communicator]) -> None:
+    def _register(self, targets: Sequence[Any]) -> None:
         """Tell torch about the groups (a destroyed default group took every group torch knew)."""
         c10d = dist.distributed_c10d
-        for group, sub in zip(self.groups, subs, strict=True):
-            target = sub.group
+        for group, target in zip(self.groups, targets, strict=True):
             enter(group, group.group_name, dist.get_process_group_ranks(target), c10d._world.pg_map[target][0],
                   c10d._world.pg_backend_config.get(target, ""))
+
+
+def _lines(comm: Communicator, layout: MeshLayout) -> list[Communicator]:
+    """This rank's group along each dimension, of ``comm``'s members (made on every member in the same order)."""
+    me = comm.membership.job_ranks[comm.rank]
+    subs = []
+    for dim in range(len(layout.shape)):
+        sub = comm.split(layout.line(dim, me), key=layout.coords(me)[dim])
+        assert sub is not None
+        subs.append(sub)
+    return subs
+
+
+class NotJoinedGroup(dist.ProcessGroup):
+    """Where a mesh group of a replacement points before it joins: its rank and size in the whole
+    job; ``join`` (the process's first call) makes the membership, and the mesh then follows it."""
+
+    def __init__(self, rank: int, size: int, join: Callable[[], None]) -> None:
+        super().__init__(rank, size)  # type: ignore[call-arg]
+        self._rank, self._size, self.join = rank, size, join
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
 
 
 def no_whole_replica(layout: MeshLayout, lost: Sequence[int], why: str) -> CommunicatorStateError:
@@ -197,34 +255,43 @@ def no_whole_replica(layout: MeshLayout, lost: Sequence[int], why: str) -> Commu
 
 def device_mesh(comm: Communicator, mesh_shape: Sequence[int], mesh_dim_names: Sequence[str] | None) -> DeviceMesh:
     """``Communicator.device_mesh``."""
+    from ._launching.joining import join_now, not_joined
+
     if comm._is_sub:  # (refused alike on every rank, before anything moves)
         raise CommunicatorStateError("device_mesh lays out the job's ranks: call it on the job's communicator "
                                      "(from_env, launch, spawn), not on one split from it")
-    layout = _layout(comm, mesh_shape, mesh_dim_names)
+    waits_as = not_joined(comm)
+    if waits_as is None:
+        comm._check_usable()
     held = comm._mesh
+    job = waits_as[1] if waits_as is not None else held.layout.size if held is not None else comm.world_size
+    layout = _layout(mesh_shape, mesh_dim_names, job)
     if held is not None:
         if held.layout != layout:
             raise ValueError(f"device_mesh{layout.shape}: this job's communicator already has a mesh of shape "
                              f"{held.layout.shape} {held.layout.names}; one mesh per job")
         return held.torch_mesh
+    if waits_as is not None:  # (a replacement: its model is built over the mesh before it joins)
+        mesh = ElasticMesh.before_join(comm, layout, waits_as[0], lambda: join_now(comm))
+        comm.__dict__["_mesh"] = mesh
+        return mesh.torch_mesh
     if comm.group is None:
         raise CommunicatorStateError(f"device_mesh needs torch process groups; this {type(comm).__name__} has none")
     if comm.membership.job_ranks != tuple(range(layout.size)):
         raise CommunicatorStateError(
             f"device_mesh: make the mesh while the job is whole (every one of its {layout.size} ranks a member; "
             f"this membership is {list(comm.membership.job_ranks)}): it follows shrinks and admits from there")
-    comm._mesh = ElasticMesh(comm, layout, comm.device.type)
+    comm._mesh = ElasticMesh.over(comm, layout)
     return comm._mesh.torch_mesh
 
 
-def _layout(comm: Communicator, mesh_shape: Sequence[int], mesh_dim_names: Sequence[str] | None) -> MeshLayout:
+def _layout(mesh_shape: Sequence[int], mesh_dim_names: Sequence[str] | None, job: int) -> MeshLayout:
     shape = tuple(mesh_shape)
     if not shape or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in shape):
         raise ValueError(f"device_mesh: mesh_shape must be positive ints, got {mesh_shape!r}")
     names = tuple(mesh_dim_names) if mesh_dim_names is not None else tuple(f"dim{d}" for d in range(len(shape)))
     if len(names) != len(shape) or len(set(names)) != len(names) or not all(isinstance(n, str) for n in names):
         raise ValueError(f"device_mesh: mesh_dim_names must be {len(shape)} distinct strings, got {mesh_dim_names!r}")
-    job = len(comm.membership.job_ranks) if comm._mesh is None else comm._mesh.layout.size
-    if math.prod(shape) != job and comm._mesh is None:
+    if math.prod(shape) != job:
         raise ValueError(f"device_mesh: a mesh of shape {shape} has {math.prod(shape)} ranks; this job has {job}")
     return MeshLayout(shape, names)

@@ -25,13 +25,13 @@ SAMPLES = 4096
 
 
 def build(comm: distcomm.Communicator) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """The model, sharded over the job's mesh: every layer, then the whole (FSDP2's way). Built
-    before the mesh: a replacement joins at its first use of the communicator, and the members wait
-    from then on."""
+    """The model, sharded over the job's mesh: every layer, then the whole (FSDP2's way). A
+    replacement builds it before it joins the members (at its first call, ``sync_state``): they
+    step on meanwhile."""
+    mesh = comm.device_mesh((2, 2), ("replicate", "shard"))
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(),
                                 torch.nn.Linear(64, 1))
-    mesh = comm.device_mesh((2, 2), ("replicate", "shard"))
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh)

@@ -31,6 +31,7 @@ HSDP_JOB = """
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    print(json.dumps({"built": True, "joined": "first use" not in repr(comm)}), flush=True)  # (a replacement: not yet)
     x = torch.randn(256, 8, generator=torch.Generator().manual_seed(0))
     y = x.sum(1, keepdim=True)
     progress, share, events = {"step": 0}, True, []
@@ -117,6 +118,8 @@ def test_the_other_replica_steps_on_and_the_lost_one_comes_back_whole(tmp_path: 
     admits = [d for d in said if "admitted" in d]
     assert {d["job_rank"] for d in admits} == {0, 1} and all(d["admitted"] == [2, 3] for d in admits), admits
     assert shrinks[2]["step"] < admits[0]["step"], (shrinks, admits)  # the healthy replica stepped meanwhile
+    built = [d["joined"] for d in said if "built" in d]  # the replacement built FSDP over the mesh, then joined
+    assert sorted(built) == [False, True, True, True, True], built
     done = {d["job_rank"]: d for d in said if d.get("done")}
     assert sorted(done) == [0, 1, 2, 3] and all(d["members"] == [0, 1, 2, 3] for d in done.values())
     assert len({d["step"] for d in done.values()}) == 1 and done[0]["step"] >= 30, done

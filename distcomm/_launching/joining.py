@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from .._elastic.membership import Membership
     from .._torch import _TorchCommunicator
 
-__all__ = ["joining"]
+__all__ = ["join_now", "joining", "not_joined"]
 
 
 def joining(cls: type[_TorchCommunicator], join: Callable[[Any], None], job_rank: int, world: int,
@@ -37,6 +37,17 @@ def joining(cls: type[_TorchCommunicator], join: Callable[[Any], None], job_rank
     comm.__dict__.update(known, _join=join, _waits_as=(job_rank, world))
     set_default(comm)
     return comm
+
+
+def not_joined(comm: object) -> tuple[int, int] | None:
+    """A replacement's job rank and the job's size, until it has joined; None for any other communicator."""
+    return comm.__dict__["_waits_as"] if "_join" in comm.__dict__ else None
+
+
+def join_now(comm: Any) -> None:
+    """Join, if ``comm`` is a replacement that hasn't yet (what its first call would do)."""
+    if "_join" in comm.__dict__:
+        comm._join_now()
 
 
 class _Joining:
@@ -61,13 +72,13 @@ class _Joining:
         join = self.__dict__.pop("_join", None)
         if join is None:  # (a use from another thread while this one joins)
             raise CommunicatorStateError(f"{type(self).__name__}: used while it joins the job, from another thread")
-        known = dict(self.__dict__)
+        known, plain = dict(self.__dict__), self._plain
         try:
             join(self)
         except BaseException as e:
             # back as it was (what a failed set-up left would let a call run on a half-made one),
             # and every later use says why
-            self.__class__ = _joining_class(self._plain)
+            self.__class__ = _joining_class(plain)
             self.__dict__.clear()
             refused = join if getattr(join, "func", None) is _never else functools.partial(
                 _never, f"joining the job failed ({e})")

@@ -118,10 +118,16 @@ def _join_when_ready(waiting: Waiting, cls: type[_TorchCommunicator], seconds: f
                      comm: Any) -> None:
     """A replacement's first use: it proves the job's key, the members' next ``admit()`` lets it
     in, and ``comm`` (the object its script holds) becomes the communicator of their new membership."""
+    mesh = comm.__dict__.pop("_mesh", None)  # (one its script made before: ElasticMesh.before_join)
     seat = waiting.join(seconds)
+    if mesh is not None:
+        mesh.joining()
     comm.__class__ = cls  # (from here on a plain one, made in place)
     start_seat(cls, seat, timeout=timeout, into=comm, **kwargs)
     comm._launcher = launcher
+    if mesh is not None:  # (the members' admit makes its groups too: _succeeded_by)
+        comm._mesh = mesh
+        mesh.follow(comm)
     let_in = seat.job_rank in seat.admitted  # (else the round completed: a restart of the whole job)
     comm._holds_state = not let_in  # (a newcomer's, once sync_state hands it the members')
     if let_in:  # the members wait for its first call from now (warn_late_first_call)
