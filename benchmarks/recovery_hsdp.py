@@ -57,8 +57,6 @@ JOB = textwrap.dedent("""
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     restarts = bool(os.environ.get("TORCHELASTIC_RUN_ID")) and not os.environ.get("DISTCOMM_RUN")  # (torchrun)
     comm = distcomm.from_env()  # default timeouts
-    me = comm.membership.job_ranks[comm.rank]
-    first_process = me not in comm.membership.admitted and not attempt  # (not a replacement, not restarted)
     mesh = comm.device_mesh((2, 2), ("replicate", "shard"))
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
@@ -69,6 +67,8 @@ JOB = textwrap.dedent("""
     fully_shard(model, mesh=mesh)
     params = list(model.parameters())
     opt = torch.optim.Adam(params, lr=1e-3)
+    me = comm.membership.job_ranks[comm.rank]  # (a replacement joins the members here, its model built)
+    first_process = me not in comm.membership.admitted and not attempt  # (not a replacement, not restarted)
     progress, share = {"step": 0}, True
 
     def ckpt(step, rank=me):

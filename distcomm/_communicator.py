@@ -142,6 +142,9 @@ class Communicator(ObjectConveniences, PointToPoint, SubCommunicators, ElasticMe
     """Whether ``split``, ``dup`` or ``new_group`` made it (not the job's communicator)."""
     _mesh: ElasticMesh | None = None
     """The job's mesh (``device_mesh``), which every communicator of the job's later memberships follows."""
+    _moves_bytes = True
+    """Whether its transport moves raw bytes (the fake records each message as the object it holds:
+    ``sync_state`` then sends tensors inside the header)."""
     _holds_state = True
     """Whether this rank holds the job's trained state: not a newcomer until ``sync_state`` hands it
     the members' (kept across shrink, admit and split: ``sync_state`` takes its source among these)."""

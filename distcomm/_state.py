@@ -26,7 +26,7 @@ from ._errors import (
 )
 from ._fingerprint import entries, fingerprints, path_text, shown
 from ._sharded import class_key, settle
-from ._state_copy import moves_bytes, receive_state, send_state, state_tensors
+from ._state_copy import receive_state, send_state, state_tensors
 from ._wire.serialization import AuthenticatedSerializer, SafeSerializer, Serializer, serializing_with
 
 if TYPE_CHECKING:
@@ -135,7 +135,7 @@ def _hand_over(comm: Communicator, objects: tuple[Any, ...], states: list[Any],
                plan: dict[int, tuple[int, list[int]]]) -> str | None:
     """Send the objects each rank needs from this one (all on their way at once), and load them
     where they arrive; why this rank couldn't send or load its own, or None."""
-    raw = moves_bytes(comm)
+    raw = comm._moves_bytes
     mine = {r: which for r, (src, which) in plan.items() if src == comm.rank}
     if mine:
         return send_state(comm, states, mine, raw)

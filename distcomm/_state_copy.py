@@ -18,7 +18,7 @@ learning rate). Where the communicator authenticates, the header also carries ea
 
 Fresh tensors are bounded before any is allocated: by ``max_bytes`` where the communicator has one,
 else by this machine's memory. A transport that records messages as objects (the fake) takes the
-tensors inside the header instead (``_moves_bytes``).
+tensors inside the header instead (``Communicator._moves_bytes``).
 """
 
 from __future__ import annotations
@@ -177,21 +177,14 @@ def _digest(part: torch.Tensor) -> bytes:
     return hashlib.blake2b(part.detach().numpy().data, digest_size=32).digest()
 
 
-def moves_bytes(comm: Communicator) -> bool:
-    """Whether the transport moves raw bytes between ranks: the fake records each message as the
-    object it holds, and takes the tensors inside the header."""
-    from .testing._fake import FakeCommunicator
-
-    return not isinstance(comm, FakeCommunicator)
-
-
 # ---------------------------------------------------------------- the receiver
 class _Landing:
     """Where one tensor's bytes land (``buf``, this rank's CPU memory) and what the state then holds
     there (``value``): the receiver's own tensor, or a fresh one; ``then`` copies a staged one on."""
 
-    def __init__(self, buf: torch.Tensor, value: Any, then: Callable[[], object] | None = None) -> None:
-        self.buf, self.value, self.then = buf, value, then
+    def __init__(self, buf: torch.Tensor, value: Any, then: Callable[[], object] | None = None, *,
+                 in_place: bool = False) -> None:
+        self.buf, self.value, self.then, self.in_place = buf, value, then, in_place
 
 
 def receive_state(comm: Communicator, objects: tuple[Any, ...], states: list[Any], src: int, which: list[int],
@@ -219,12 +212,7 @@ def receive_state(comm: Communicator, objects: tuple[Any, ...], states: list[Any
                           digests)
         if why is not None:
             return why
-    try:
-        for i, (skeleton, _), lands in zip(which, header, landings, strict=True):
-            load(objects[i], _filled(skeleton, lands))
-    except Exception as e:  # (a load_state_dict of the user's: whatever it raises)
-        return f"{type(e).__name__}: {e}"
-    return None
+    return _loaded([objects[i] for i in which], header, landings, load)
 
 
 class _Refused(ValueError):
@@ -281,12 +269,35 @@ def load_parts(comm: Communicator, objects: tuple[Any, ...], states: list[Any], 
             for spec in specs]
     for buf, part in zip(bufs, parts, strict=True):
         buf.copy_(part)
+    return _loaded(list(objects), header, landings, load)
+
+
+def _loaded(objects: list[Any], header: list[Any], landings: list[dict[int, _Landing]],
+            load: Callable[[Any, Any], None]) -> str | None:
+    """Load each object's state, its tensors as they landed; why it couldn't, or None. A module
+    whose every parameter and buffer landed in its own memory holds its state already: its
+    ``load_state_dict`` would copy each onto itself (through DTensor's dispatch where FSDP shards
+    it: tens of milliseconds in a newcomer's fresh process, on the members' path), so it isn't called."""
     try:
         for obj, (skeleton, _), lands in zip(objects, header, landings, strict=True):
-            load(obj, _filled(skeleton, lands))
+            state = _filled(skeleton, lands)
+            if not (_shares_its_tensors(obj) and _all_in_place(skeleton, lands)):
+                load(obj, state)
     except Exception as e:  # (a load_state_dict of the user's: whatever it raises)
         return f"{type(e).__name__}: {e}"
     return None
+
+
+def _shares_its_tensors(obj: Any) -> bool:
+    """Whether ``obj`` is a module whose ``state_dict()`` holds its own parameters and buffers (not
+    copies: no hook of its modules remakes the dict, and none overrides how it is made)."""
+    return isinstance(obj, torch.nn.Module) and all(
+        not m._state_dict_hooks and type(m).state_dict is torch.nn.Module.state_dict for m in obj.modules())
+
+
+def _all_in_place(skeleton: Any, lands: dict[int, _Landing]) -> bool:
+    """Whether every leaf of a state is a tensor that landed in the receiver's own tensor's memory."""
+    return all(n in lands and lands[n].in_place for n, _ in enumerate(leaves(skeleton)))
 
 
 def _answered(comm: Communicator, src: int, raw: bool, why: str | None) -> str | None:
@@ -426,7 +437,7 @@ def _land(comm: Communicator, spec: Spec, own: Any,
         local = local_of(own).detach()
         if local.dtype == dtype and tuple(local.shape) == shape:
             if local.device.type == "cpu" and local.is_contiguous():
-                return 0, lambda: _Landing(local, own)
+                return 0, lambda: _Landing(local, own, in_place=True)
             return size, lambda: _staged(local, own)
     if layout is not None and (layout not in models or local_shape(models[layout]) != shape):
         return None
@@ -436,7 +447,7 @@ def _land(comm: Communicator, spec: Spec, own: Any,
 
 def _staged(local: torch.Tensor, own: Any) -> _Landing:
     staged = torch.empty(local.shape, dtype=local.dtype)
-    return _Landing(staged, own, lambda: local.copy_(staged))
+    return _Landing(staged, own, lambda: local.copy_(staged), in_place=True)
 
 
 def _fresh(dtype: torch.dtype, shape: tuple[int, ...], target: torch.device | None, model: Any) -> _Landing:

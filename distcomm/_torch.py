@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import secrets
@@ -9,7 +10,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar, Literal
 
 import numpy as np
@@ -56,6 +57,9 @@ __all__ = ["GlooCommunicator", "NcclCommunicator"]
 
 _SETTLE_SECONDS = 0.02
 """How long close() lets the transport's threads finish releasing the last ops."""
+
+_SETTLED = threading.local()
+"""``now``: this thread closes communicators together, and their threads had their pause."""
 
 _HOW_TO_START = (
     "torch.distributed is not initialized. Start it with {cls}.from_env() (under any launcher), "
@@ -323,11 +327,24 @@ class _TorchCommunicator(TorchMembership, Communicator):
         """The process group of the ranks on this machine."""
         return self._local_group
 
+    @contextlib.contextmanager
+    def _closing_together(self) -> Iterator[None]:
+        """Close several communicators in a row (a membership's and those split from it): the
+        transport's threads get one pause to release their last ops, before the first, rather than
+        one each (a pause each is on the path of every shrink and admit)."""
+        time.sleep(_SETTLE_SECONDS)
+        _SETTLED.now = True
+        try:
+            yield
+        finally:
+            _SETTLED.now = False
+
     def _shutdown(self) -> None:
         # A gloo worker drops its reference to a finished op's tensors after the op completes, and
         # that needs the GIL. Release the GIL for a moment so that it can, now: at interpreter exit
         # it would abort the process ("terminate called without an active exception").
-        time.sleep(_SETTLE_SECONDS)
+        if not getattr(_SETTLED, "now", False):
+            time.sleep(_SETTLE_SECONDS)
         DEFERRED.free_due()  # (a safe point: the groups of memberships broken long enough ago)
         if self._eager:
             settle_eager(self, settle_limit(self, self._ending_on_error))

@@ -72,8 +72,9 @@ class TorchMembership:
             comm._mesh.snapshots.settle()  # (its group goes with this membership: the copy in flight ends first)
         settings = comm._rebuild_settings()
         pids = _membership.job_pids(comm)
-        comm._retire_subs("admit")
-        comm.close()
+        with comm._closing_together():
+            comm._retire_subs("admit")
+            comm.close()
         return comm._succeeded_by(start_seat(type(comm), seat, pids=pids, **settings), timeout)
 
     def _succeeded_by(self, new: Communicator, timeout: float | datetime.timedelta | None) -> Communicator:
@@ -140,8 +141,9 @@ class TorchMembership:
             comm._eager = []
         comm._queues = Queues()
         comm._children.clear()  # their groups go with the default group
-        held += comm._retire_subs("shrink")
-        comm.close()
+        with comm._closing_together():
+            held += comm._retire_subs("shrink")
+            comm.close()
         return held
 
     def _retire_subs(self, by: str) -> list[Any]:

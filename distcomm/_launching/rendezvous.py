@@ -45,7 +45,19 @@ __all__ = ["TICKET", "Seat", "admitted_key", "admitted_seat", "beat_key", "beat_
 
 POLL_FIRST, POLL_LAST = 0.01, 0.5
 """Seconds between looks at the store while a process waits for its round: soon at first (ranks
-started together meet within milliseconds), then seldom (a newcomer may wait long to be let in)."""
+started together meet within milliseconds), then less often (a newcomer may wait long to be let
+in), but no less than ``poll_cap`` says."""
+
+LOOKS_PER_SECOND = 2000
+"""How often, at most, a job's waiting processes look at its store together (each look is a few calls)."""
+
+
+def poll_cap(world: int) -> float:
+    """The longest pause between a waiting process's looks at the store. Once the members let a
+    waiting process in, they wait for it in the new group's set-up, so that pause is their stall;
+    it is short in all but large jobs, where every rank may be waiting at once and the pause keeps
+    the store's load bounded (``LOOKS_PER_SECOND``)."""
+    return min(POLL_LAST, max(5 * POLL_FIRST, world / LOOKS_PER_SECOND))
 
 
 def parse_url(url: str) -> tuple[str, int]:
@@ -291,7 +303,7 @@ def _await_round(job: Records, number: int, rank: int, world: int, token: str, d
             if found or time.monotonic() > deadline or holder not in (token, ""):
                 break
             time.sleep(pause)
-            pause = min(pause * 1.5, POLL_LAST)
+            pause = min(pause * 1.5, poll_cap(world))
     except DistCommError:
         raise
     except Exception:

@@ -83,6 +83,7 @@ class FakeCommunicator(Communicator):
     """
 
     _world_of_one_shortcut = False  # objects go through the serializer and the pipeline at every world size
+    _moves_bytes = False  # (each message is recorded as the object it holds)
 
     def __init__(self, rank: int = 0, world_size: int = 1, *, peers: PeerFn | None = None,
                  local_rank: int | None = None, local_size: int | None = None, **kwargs: Any) -> None:
