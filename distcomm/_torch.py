@@ -332,6 +332,9 @@ class _TorchCommunicator(TorchMembership, Communicator):
         """Close several communicators in a row (a membership's and those split from it): the
         transport's threads get one pause to release their last ops, before the first, rather than
         one each (a pause each is on the path of every shrink and admit)."""
+        if getattr(_SETTLED, "now", False):  # (within another: a sub-communicator's, as its parent closes)
+            yield
+            return
         time.sleep(_SETTLE_SECONDS)
         _SETTLED.now = True
         try:
