@@ -187,9 +187,10 @@ class ElasticMesh:
         mesh._not_joined = [world, *targets]
         return mesh
 
-    def joining(self) -> None:
-        """Before the replacement joins: torch's default group is the membership's from here, and
-        the mesh's groups are entered again over the membership's (``follow``)."""
+    def drop_stand_ins(self) -> None:
+        """Take a replacement's stand-ins (``before_join``) out of torch's tables, as it joins (torch's
+        default group is then the membership's, and ``follow`` enters the mesh's groups again over
+        the membership's) or is closed unjoined."""
         for group in [*self._not_joined, *self.groups]:
             leave(group, dist.distributed_c10d._world.pg_names[group])
         if dist.distributed_c10d._world.default_pg is self._not_joined[0]:

@@ -91,6 +91,9 @@ class _Joining:
             self.__dict__["_join"] = functools.partial(_never, "it was closed before its first use")
             self.__dict__["_closed"] = True
             clear_default(cast(Any, self))
+            mesh = self.__dict__.pop("_mesh", None)
+            if mesh is not None:  # (its stand-ins for torch's groups go: see ElasticMesh.before_join)
+                mesh.drop_stand_ins()
 
     def __exit__(self, *exc: object) -> None:
         self.close()

@@ -121,7 +121,7 @@ def _join_when_ready(waiting: Waiting, cls: type[_TorchCommunicator], seconds: f
     mesh = comm.__dict__.pop("_mesh", None)  # (one its script made before: ElasticMesh.before_join)
     seat = waiting.join(seconds)
     if mesh is not None:
-        mesh.joining()
+        mesh.drop_stand_ins()
     comm.__class__ = cls  # (from here on a plain one, made in place)
     start_seat(cls, seat, timeout=timeout, into=comm, **kwargs)
     comm._launcher = launcher
