@@ -212,7 +212,7 @@ def receive_state(comm: Communicator, objects: tuple[Any, ...], states: list[Any
                           digests)
         if why is not None:
             return why
-    return _loaded([objects[i] for i in which], header, landings, load)
+    return _loaded([objects[i] for i in which], [states[i] for i in which], header, landings, load)
 
 
 class _Refused(ValueError):
@@ -269,30 +269,57 @@ def load_parts(comm: Communicator, objects: tuple[Any, ...], states: list[Any], 
             for spec in specs]
     for buf, part in zip(bufs, parts, strict=True):
         buf.copy_(part)
-    return _loaded(list(objects), header, landings, load)
+    return _loaded(list(objects), states, header, landings, load)
 
 
-def _loaded(objects: list[Any], header: list[Any], landings: list[dict[int, _Landing]],
+def _loaded(objects: list[Any], own_states: list[Any], header: list[Any], landings: list[dict[int, _Landing]],
             load: Callable[[Any, Any], None]) -> str | None:
-    """Load each object's state, its tensors as they landed; why it couldn't, or None. A module
-    whose every parameter and buffer landed in its own memory holds its state already: its
-    ``load_state_dict`` would copy each onto itself (through DTensor's dispatch where FSDP shards
-    it: tens of milliseconds in a newcomer's fresh process, on the members' path), so it isn't called."""
+    """Load each object's state, its tensors as they landed; why it couldn't, or None. A plain
+    module (``_plain_module``) whose every parameter and buffer landed in its own memory, under the
+    keys it has, holds its state already: its ``load_state_dict`` would copy each onto itself
+    (through DTensor's dispatch where FSDP shards it: tens of milliseconds in a newcomer's fresh
+    process, on the members' path), so it isn't called."""
     try:
-        for obj, (skeleton, _), lands in zip(objects, header, landings, strict=True):
+        for obj, own, (skeleton, _), lands in zip(objects, own_states, header, landings, strict=True):
             state = _filled(skeleton, lands)
-            if not (_shares_its_tensors(obj) and _all_in_place(skeleton, lands)):
+            if not (_plain_module(obj) and _all_in_place(skeleton, lands) and _same_keys(skeleton, own)):
                 load(obj, state)
     except Exception as e:  # (a load_state_dict of the user's: whatever it raises)
         return f"{type(e).__name__}: {e}"
     return None
 
 
-def _shares_its_tensors(obj: Any) -> bool:
-    """Whether ``obj`` is a module whose ``state_dict()`` holds its own parameters and buffers (not
-    copies: no hook of its modules remakes the dict, and none overrides how it is made)."""
-    return isinstance(obj, torch.nn.Module) and all(
-        not m._state_dict_hooks and type(m).state_dict is torch.nn.Module.state_dict for m in obj.modules())
+_MODULE_OWN = ("state_dict", "load_state_dict", "_save_to_state_dict", "_load_from_state_dict", "get_extra_state",
+               "set_extra_state")
+_FSDP_HOOKS = ("FSDPParamGroup._register_state_dict_hooks.<locals>.to_sharded_hook",
+               "FSDPParam.__init__.<locals>.<lambda>")
+"""FSDP2's state-dict hooks: the shards made current before a save or a load (the state's own
+``state_dict()`` ran them), the padded shard re-read after a load (the same memory: nothing to do)."""
+
+
+def _plain_module(obj: Any) -> bool:
+    """Whether ``obj`` is a module whose state dict is its own parameters and buffers, saved and
+    loaded as torch's ``Module`` does: none of its modules overrides how, and no hook but FSDP2's
+    runs around it."""
+    if not isinstance(obj, torch.nn.Module):
+        return False
+    for m in obj.modules():
+        if any(getattr(type(m), name) is not getattr(torch.nn.Module, name) for name in _MODULE_OWN):
+            return False
+        if m._state_dict_hooks or not all(_fsdp_hook(h) for hooks in (
+                m._state_dict_pre_hooks, m._load_state_dict_pre_hooks, m._load_state_dict_post_hooks)
+                for h in hooks.values()):
+            return False
+    return True
+
+
+def _fsdp_hook(hook: Any) -> bool:
+    return getattr(getattr(hook, "hook", hook), "__qualname__", "") in _FSDP_HOOKS
+
+
+def _same_keys(skeleton: Any, own: Any) -> bool:
+    """Whether the state sent has the keys of this rank's own (a strict load's check)."""
+    return isinstance(skeleton, dict) and isinstance(own, dict) and list(skeleton) == list(own)
 
 
 def _all_in_place(skeleton: Any, lands: dict[int, _Landing]) -> bool:

@@ -344,3 +344,73 @@ def test_a_receiver_lost_while_others_receive_fails_the_source_as_a_lost_rank() 
     source, late, lost = spawn(_one_receiver_lost, 3, timeout=60, return_exceptions=True)
     assert source == "PeerError", source
     assert isinstance(lost, distcomm.RankFailedError) and late != "returned", (late, lost)
+
+
+# ---------------------------------------------------------------- a module that isn't loaded onto itself
+class _Extra(torch.nn.Linear):  # (a buffer the sender's state lacks: a strict load refuses it)
+    def __init__(self) -> None:
+        super().__init__(2, 2)
+        self.register_buffer("scale", torch.full((2,), 7.0))
+
+
+class _WithExtra(torch.nn.Linear):
+    def __init__(self, steps: int) -> None:
+        super().__init__(2, 2)
+        self.steps = steps
+
+    def get_extra_state(self) -> Any:
+        return torch.tensor([self.steps])
+
+    def set_extra_state(self, state: Any) -> None:
+        self.steps = int(state[0])
+
+
+class _Transposed(torch.nn.Module):  # (its state dict holds a tensor made from its parameter, not the parameter)
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(2, 3))
+
+    def _save_to_state_dict(self, into: Any, prefix: str, keep_vars: bool) -> None:
+        into[prefix + "w_t"] = self.w.detach().t().contiguous()
+
+    def _load_from_state_dict(self, state: Any, prefix: str, *rest: Any) -> None:
+        with torch.no_grad():
+            self.w.copy_(state[prefix + "w_t"].t())
+
+
+class _Tied(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(2, 2, bias=False), torch.nn.Linear(2, 2, bias=False)
+        self.b.weight = self.a.weight
+
+
+def _handed(src: torch.nn.Module, dst: torch.nn.Module) -> str | None:
+    """``src``'s state loaded into ``dst`` as a state call's receiver loads it (bytes into its own tensors)."""
+    from distcomm._state import _load
+    from distcomm._state_copy import _cut as cut
+    from distcomm._state_copy import load_parts
+
+    skeleton, specs, parts = cut(src.state_dict())
+    return load_parts(distcomm.LocalCommunicator(), (dst,), [dst.state_dict()], [(skeleton, specs)], parts, _load)
+
+
+def test_only_a_plain_module_whose_tensors_landed_in_its_own_skips_its_load() -> None:
+    torch.manual_seed(0)
+    why = _handed(torch.nn.Linear(2, 2), _Extra())
+    assert why is not None and 'Missing key(s) in state_dict: "scale"' in why, why
+    extra = _WithExtra(0)
+    assert _handed(_WithExtra(100), extra) is None and extra.steps == 100
+    src, dst = _Transposed(), _Transposed()
+    assert _handed(src, dst) is None and torch.equal(src.w, dst.w)
+    seen: list[int] = []
+    hooked = torch.nn.Linear(2, 2)
+    hooked.register_load_state_dict_post_hook(lambda *_: seen.append(1))
+    assert _handed(torch.nn.Linear(2, 2), hooked) is None and seen == [1]
+    src_t, dst_t = _Tied(), _Tied()
+    assert _handed(src_t, dst_t) is None and torch.equal(src_t.a.weight, dst_t.b.weight)
+    assert dst_t.a.weight is dst_t.b.weight
+    plain_src, plain = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
+    calls = count_calls(plain, "load_state_dict")
+    assert _handed(plain_src, plain) is None and torch.equal(plain.weight, plain_src.weight)
+    assert calls == [0]  # (its bytes landed in its own parameters: nothing left to load)
