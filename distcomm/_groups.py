@@ -137,7 +137,9 @@ class SubCommunicators:
         ``CommunicatorStateError`` on every survivor, unless every rank's shards are held in a
         neighbour's ``snapshot()`` (then the survivors wait for the replacements, and
         ``sync_state`` takes the job back to that step). Collective: every rank calls it, while the
-        job is whole (a newcomer too, once let in: its first call). One mesh per job.
+        job is whole. A replacement's call is not: it returns at once, before the replacement joins
+        (so its model is built off the members' path), and the mesh follows the membership it joins.
+        One mesh per job.
         """
         from ._mesh import device_mesh  # (imports torch's DeviceMesh: only where a mesh is asked for)
 

@@ -130,6 +130,8 @@ def _forwarder(name: str) -> Any:
     def forward(self: FollowingGroup, *args: Any, **kwargs: Any) -> Any:
         if isinstance(self._target, NotJoinedGroup):  # (a collective before a replacement's first call)
             self._target.join()
+            if isinstance(self._target, NotJoinedGroup):
+                raise _joining_elsewhere()
         return getattr(self._target, name)(*args, **kwargs)
     forward.__name__ = name
     return forward
@@ -174,7 +176,7 @@ class ElasticMesh:
         the members' path, as it is built in a torch script, after ``from_env()``. Its groups (and,
         meanwhile, torch's default group) know their ranks and sizes in the whole job, which a
         replacement is let into; their first collective (or the process's first call) joins."""
-        world = NotJoinedGroup(job_rank, layout.size, join)
+        world = NotJoinedWorld(job_rank, layout.size, join)
         dist.distributed_c10d._update_default_pg(world)  # (DeviceMesh reads this rank's from it)
         enter(world, GroupName("distcomm-not-joined-world"), range(layout.size), comm.backend, "")
         targets = []
@@ -191,9 +193,14 @@ class ElasticMesh:
         """Take a replacement's stand-ins (``before_join``) out of torch's tables, as it joins (torch's
         default group is then the membership's, and ``follow`` enters the mesh's groups again over
         the membership's) or is closed unjoined."""
+        if not self._not_joined:  # (dropped already: a failed join's communicator, closed)
+            return
+        world = dist.distributed_c10d._world
         for group in [*self._not_joined, *self.groups]:
-            leave(group, dist.distributed_c10d._world.pg_names[group])
-        if dist.distributed_c10d._world.default_pg is self._not_joined[0]:
+            name = world.pg_names.get(group)
+            if name is not None:  # (else gone already: the script destroyed torch's default group)
+                leave(group, name)
+        if world.default_pg is self._not_joined[0]:
             dist.distributed_c10d._update_default_pg(None)
         self._not_joined = []
 
@@ -243,6 +250,31 @@ class NotJoinedGroup(dist.ProcessGroup):
 
     def size(self) -> int:
         return self._size
+
+
+class NotJoinedWorld(NotJoinedGroup):
+    """A replacement's stand-in for torch's default group until it joins: a collective on it (a
+    ``dist.barrier()``) joins first, then runs on the membership's default group."""
+
+
+def _joined_forwarder(name: str) -> Any:
+    def forward(self: NotJoinedWorld, *args: Any, **kwargs: Any) -> Any:
+        self.join()
+        world = dist.distributed_c10d._world.default_pg
+        if world is None or isinstance(world, NotJoinedGroup):
+            raise _joining_elsewhere()
+        return getattr(world, name)(*args, **kwargs)
+    forward.__name__ = name
+    return forward
+
+
+for _name in _FORWARDED:
+    setattr(NotJoinedWorld, _name, _joined_forwarder(_name))
+
+
+def _joining_elsewhere() -> CommunicatorStateError:
+    return CommunicatorStateError("a collective on a replacement's group while another thread joins the job: "
+                                  "join first (its first call), then use its groups from other threads")
 
 
 def no_whole_replica(layout: MeshLayout, lost: Sequence[int], why: str) -> CommunicatorStateError:

@@ -7,10 +7,11 @@ its first use: only then does the process prove the job's key, which is what the
 lets in on, and the members step on meanwhile.
 
 Its first use is its first call, or the first read of what only joining tells: its rank, world
-size, group, membership (whatever of the instance set-up makes). ``device``, ``launcher`` and
-``timeout`` are known before. The object is the one the script holds: it becomes, in place, a plain
-instance of its class (``admit()`` compares communicators by identity, and ``distcomm.current()``
-returns this one).
+size, group, membership (whatever of the instance set-up makes). ``device_mesh()`` is not a use: it
+returns a mesh over stand-ins that join at their first collective (``ElasticMesh.before_join``).
+``device``, ``launcher`` and ``timeout`` are known before. The object is the one the script
+holds: it becomes, in place, a plain instance of its class (``admit()`` compares communicators by
+identity, and ``distcomm.current()`` returns this one).
 """
 
 from __future__ import annotations
@@ -40,8 +41,10 @@ def joining(cls: type[_TorchCommunicator], join: Callable[[Any], None], job_rank
 
 
 def not_joined(comm: object) -> tuple[int, int] | None:
-    """A replacement's job rank and the job's size, until it has joined; None for any other communicator."""
-    return comm.__dict__["_waits_as"] if "_join" in comm.__dict__ else None
+    """A replacement's job rank and the job's size, until it has joined; None for any other
+    communicator (one that was closed, or failed to join, too: its use says why)."""
+    join = comm.__dict__.get("_join")
+    return None if join is None or getattr(join, "func", None) is _never else comm.__dict__["_waits_as"]
 
 
 def join_now(comm: Any) -> None:

@@ -49,7 +49,9 @@ started together meet within milliseconds), then less often (a newcomer may wait
 in), but no less than ``poll_cap`` says."""
 
 LOOKS_PER_SECOND = 2000
-"""How often, at most, a job's waiting processes look at its store together (each look is a few calls)."""
+"""How often a job's waiting processes, all of its ranks at once, look at its store together once
+their pauses have grown to ``poll_cap`` (each look is a few calls), up to 1,000 ranks; a larger job
+waits ``POLL_LAST`` between looks, as before."""
 
 
 def poll_cap(world: int) -> float:
