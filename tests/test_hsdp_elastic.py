@@ -22,6 +22,15 @@ HSDP_JOB = """
     slow = os.environ.get("SLOW_REPLACEMENT")  # (a file: once there, a replacement takes a minute to start)
     if slow and os.path.exists(slow):
         time.sleep(60)
+    handshake = os.environ.get("DIE_IN_HANDSHAKE")  # (a directory: the first replacement dies as it is let in)
+    if handshake and os.path.exists(handshake + "/killed") and not os.path.exists(handshake + "/died"):
+        import distcomm._launching.start as start
+
+        def dying(*args, **kwargs):  # (the members' new group is made; the key not yet proven over it)
+            open(handshake + "/died", "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        start.prove_members = dying
     comm = distcomm.from_env()
     mesh = comm.device_mesh(shape, ("replicate", "shard"))
     torch.manual_seed(0)
@@ -64,6 +73,8 @@ HSDP_JOB = """
             if me in victims and progress["step"] == 5 and original:
                 if slow:
                     open(slow, "w").close()
+                if handshake:
+                    open(handshake + "/killed", "w").close()
                 os.kill(os.getpid(), signal.SIGKILL)
             n, r = comm.world_size, comm.rank
             want = expected_grads(n)
@@ -127,6 +138,25 @@ def test_the_other_replica_steps_on_and_the_lost_one_comes_back_whole(tmp_path: 
     assert done[0]["shards"] == done[2]["shards"] and done[1]["shards"] == done[3]["shards"]
     assert done[0]["shards"] != done[1]["shards"]
     # every step's gradient, with 2 replicas and with 1, was the mean over the membership's ranks
+    assert all(d["worst_grad_error"] < 1e-5 for d in done.values()), done
+
+
+def test_a_replacement_lost_as_its_replica_is_let_in_leaves_the_replica_waiting_again(tmp_path: Path) -> None:
+    """The replacement dies after the new membership's group is made, before the key is proven over
+    it: the survivors re-form without it, and that membership's replica 1 isn't whole, so its other
+    rank waits again while replica 0 steps on; the next replacement makes replica 1 whole."""
+    job = _script(tmp_path, HSDP_JOB)
+    agent = _agent("--nproc-per-node", "4", "--replacements", "2", job, "[2, 2]", "[3]", "30",
+                   env={"EXPECT_WHOLE": "1", "DIE_IN_HANDSHAKE": str(tmp_path)})
+    code, out, err = _ended(agent, timeout=300)
+    assert code == 0, err[-3000:]
+    assert (tmp_path / "died").exists(), err[-3000:]  # (the first replacement did die in the handshake)
+    said = _lines(out)
+    shrinks = [d for d in said if "shrink_seconds" in d]
+    assert all(d["members"] in ([0, 1], [0, 1, 2, 3]) for d in shrinks), shrinks  # never a broken replica
+    done = {d["job_rank"]: d for d in said if d.get("done")}
+    assert sorted(done) == [0, 1, 2, 3] and all(d["members"] == [0, 1, 2, 3] for d in done.values()), done
+    assert done[0]["shards"] == done[2]["shards"] and done[1]["shards"] == done[3]["shards"]
     assert all(d["worst_grad_error"] < 1e-5 for d in done.values()), done
 
 

@@ -107,7 +107,7 @@ class WatchedStore(_c10d.Store):  # type: ignore[misc]
                     f"{self.seat.where}: the group of {self.seat.epoch} did not form within {limit:g} s: a member "
                     f"never wrote its address ({', '.join(keys)})", op="rendezvous")
             if now >= next_look:
-                self._look()
+                self.look()
                 next_look = now + LOOK_SECONDS
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
@@ -136,7 +136,8 @@ class WatchedStore(_c10d.Store):  # type: ignore[misc]
             rank, _, pid = entry.partition(":")
             self._pids[int(rank)] = int(pid)
 
-    def _look(self) -> None:
+    def look(self) -> None:
+        """Raise FormingFailed where a member is found gone, or the others began a shrink."""
         lost = self.lost()
         if lost or shrink_begun(self.seat.job, self.seat.epoch):
             self.failure = FormingFailed(self.seat, lost)

@@ -85,6 +85,9 @@ class TorchMembership:
         new._holds_state = comm._holds_state  # (and the same state)
         new._mesh = comm._mesh
         if new._mesh is not None:
+            members = new.membership.job_ranks
+            if new._mesh.layout.whole(members) != members:  # (a rank lost as the membership formed: its
+                return new.shrink(timeout=timeout)          # replica's other ranks wait again, the rest go on)
             try:
                 new._mesh.follow(new)  # (FSDP's groups: the first collective of the new membership)
             except (PeerError, CollectiveTimeoutError):  # (its own failure: not the one the caller handles)

@@ -126,6 +126,10 @@ def _join_when_ready(waiting: Waiting, cls: type[_TorchCommunicator], seconds: f
     start_seat(cls, seat, timeout=timeout, into=comm, **kwargs)
     comm._launcher = launcher
     if mesh is not None:  # (the members' admit makes its groups too: _succeeded_by)
+        if mesh.layout.whole(comm.membership.job_ranks) != comm.membership.job_ranks:
+            raise CommunicatorStateError(
+                f"a member was lost as this replacement was let in, and the membership it joined "
+                f"({list(comm.membership.job_ranks)}) has a replica that isn't whole: start the replacement again")
         comm._mesh = mesh
         mesh.follow(comm)
     let_in = seat.job_rank in seat.admitted  # (else the round completed: a restart of the whole job)
@@ -188,7 +192,8 @@ def _form(cls: type[_TorchCommunicator], seat: Seat, store: WatchedStore, second
             dist.init_process_group("nccl", store=store, rank=rank, world_size=world, timeout=td, device_id=device)
         else:
             init_gloo(store, rank, world, td, lazily=not seat.epoch.startswith("round-"))
-        ticket = prove_members(seat.job.key, seat.epoch, seat.members, kwargs.get("device"))  # (before set-up)
+        ticket = prove_members(seat.job.key, seat.epoch, seat.members, kwargs.get("device"),  # (before set-up)
+                               watch=store.look)
         if ticket is not None:  # (newcomers prove the key over it: see rendezvous.prove_to_members)
             remember_ticket(ticket)
             remember_let_in(seat)
