@@ -86,8 +86,8 @@ bench-recovery: $(STAMP)  ## a killed rank to the survivors' next collective, to
 	$(BIN)/python -m pip install -q --no-deps --target benchmarks/.deps torchft-nightly==2026.10.26
 	$(BIN)/python -m pip install -q --target benchmarks/.deps "opentelemetry-sdk>=1.39.0" "opentelemetry-exporter-otlp-proto-http>=1.39.0"  # (torchft imports them)
 	$(BIN)/python benchmarks/recovery_ddp.py
-	$(BIN)/python benchmarks/recovery_hsdp.py
-	$(BIN)/python benchmarks/heal.py --sizes 64 192 1024
+	$(BIN)/python benchmarks/recovery_hsdp.py --reps 3
+	$(BIN)/python benchmarks/heal.py --sizes 64 192 1024 --striped
 
 bench-store: $(STAMP)  ## the job's store under 64-1,024 simulated ranks: connecting at once, then keep-alives and agreement: calls/s and one call's latency
 	$(BIN)/python benchmarks/store_load.py
