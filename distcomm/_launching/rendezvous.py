@@ -55,10 +55,12 @@ waits ``POLL_LAST`` between looks, as before."""
 
 
 def poll_cap(world: int) -> float:
-    """The longest pause between a waiting process's looks at the store. Once the members let a
-    waiting process in, they wait for it in the new group's set-up, so that pause is their stall;
-    it is short in all but large jobs, where every rank may be waiting at once and the pause keeps
-    the store's load bounded (``LOOKS_PER_SECOND``)."""
+    """The longest pause between the looks at the store of a process waiting to be let in (a later
+    round: the job's first waits ``POLL_LAST``, its ranks started together). Once the members let
+    it in, they wait for it in the new group's set-up, so that pause is their stall; it is short in
+    all but large jobs, where every rank may be waiting at once and the pause keeps the store's load
+    bounded (``LOOKS_PER_SECOND``). (Each look may meet a store whose host just ended, where torch's
+    client prints pages of C++ frames: the first round's ranks look seldom.)"""
     return min(POLL_LAST, max(5 * POLL_FIRST, world / LOOKS_PER_SECOND))
 
 
@@ -305,7 +307,7 @@ def _await_round(job: Records, number: int, rank: int, world: int, token: str, d
             if found or time.monotonic() > deadline or holder not in (token, ""):
                 break
             time.sleep(pause)
-            pause = min(pause * 1.5, poll_cap(world))
+            pause = min(pause * 1.5, poll_cap(world) if number else POLL_LAST)
     except DistCommError:
         raise
     except Exception:
