@@ -138,6 +138,8 @@ class Communicator(ObjectConveniences, PointToPoint, SubCommunicators, ElasticMe
     """The communicator a ``shrink()`` or ``admit()`` of this one made: ``use(comm)`` then follows it."""
     _let_in_at: float | None = None
     """When ``from_env()`` returned to a replacement the members let in: until its first call, they wait."""
+    _loss_unraised: BaseException | None = None
+    """A member's loss met as a replacement joined at a read of its rank or membership: its next call raises it."""
     _is_sub = False
     """Whether ``split``, ``dup`` or ``new_group`` made it (not the job's communicator)."""
     _mesh: ElasticMesh | None = None
@@ -350,6 +352,9 @@ class Communicator(ObjectConveniences, PointToPoint, SubCommunicators, ElasticMe
             )
         if self._closed:
             raise CommunicatorStateError(f"{type(self).__name__} is closed{self._closed_why}")
+        if self._loss_unraised is not None:  # (the loss that broke it, not yet told)
+            loss, self._loss_unraised = self._loss_unraised, None
+            raise loss
         if self._broken is not None:
             raise CommunicatorStateError(
                 f"{type(self).__name__} can't be used after an earlier transport failure "

@@ -10,6 +10,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from .test_run_agent import _agent, _ended, _script
 
 HSDP_JOB = """
@@ -31,6 +33,22 @@ HSDP_JOB = """
             os.kill(os.getpid(), signal.SIGKILL)
 
         start.prove_members = dying
+    member_dies = os.environ.get("MEMBER_DIES_AS_LET_IN")  # ("handshake" or "split", a directory)
+    if member_dies and os.environ["RANK"] == "0":  # (job rank 0 dies there as the broken replica comes back)
+        import distcomm._launching.start as start, distcomm._mesh as meshes
+        where, marks = member_dies.split(":", 1)
+        module, name = {"handshake": (start, "prove_members"), "split": (meshes, "_lines")}[where]
+        real = getattr(module, name)
+
+        def dies_as_let_in(*args, **kwargs):
+            size = len(args[2]) if where == "handshake" else args[0].world_size  # (the admit's: the whole job)
+            if (size == shape[0] * shape[1] and os.path.exists(marks + "/killed")
+                    and not os.path.exists(marks + "/member died")):
+                open(marks + "/member died", "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(*args, **kwargs)
+
+        setattr(module, name, dies_as_let_in)
     comm = distcomm.from_env()
     mesh = comm.device_mesh(shape, ("replicate", "shard"))
     torch.manual_seed(0)
@@ -67,14 +85,15 @@ HSDP_JOB = """
             if share:
                 comm.sync_state(model, opt, progress)
                 share = False
-            if progress["step"] >= steps and (not whole or comm.world_size == 4 or progress["step"] >= 50 * steps):
+            back = comm.world_size == shape[0] * shape[1]
+            if progress["step"] >= steps and (not whole or back or progress["step"] >= 50 * steps):
                 break  # (the replica back first, however slowly the replacement starts: the same on every rank)
             me = comm.membership.job_ranks[comm.rank]
             if me in victims and progress["step"] == 5 and original:
                 if slow:
                     open(slow, "w").close()
-                if handshake:
-                    open(handshake + "/killed", "w").close()
+                if handshake or member_dies:
+                    open((handshake or member_dies.split(":", 1)[1]) + "/killed", "w").close()
                 os.kill(os.getpid(), signal.SIGKILL)
             n, r = comm.world_size, comm.rank
             want = expected_grads(n)
@@ -157,6 +176,30 @@ def test_a_replacement_lost_as_its_replica_is_let_in_leaves_the_replica_waiting_
     done = {d["job_rank"]: d for d in said if d.get("done")}
     assert sorted(done) == [0, 1, 2, 3] and all(d["members"] == [0, 1, 2, 3] for d in done.values()), done
     assert done[0]["shards"] == done[2]["shards"] and done[1]["shards"] == done[3]["shards"]
+    assert all(d["worst_grad_error"] < 1e-5 for d in done.values()), done
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["handshake", "split"])
+def test_a_member_lost_as_a_replica_is_let_in_leaves_the_replacement_to_shrink_with_the_members(
+        tmp_path: Path, where: str) -> None:
+    """A 3 x 2 mesh loses job rank 5; as its replacement is let in, job rank 0 dies: in the key
+    handshake (the membership forms without it, and replica 0 isn't whole) or in the mesh's splits
+    (after the membership formed). The replacement's first call raises a rank loss, and its
+    ``shrink()`` meets the members': replicas 1 and 2 step on, and the next replacement brings
+    replica 0 back."""
+    job = _script(tmp_path, HSDP_JOB)
+    agent = _agent("--nproc-per-node", "6", "--replacements", "2", job, "[3, 2]", "[5]", "30",
+                   env={"EXPECT_WHOLE": "1", "MEMBER_DIES_AS_LET_IN": f"{where}:{tmp_path}"})
+    code, out, err = _ended(agent, timeout=540)
+    assert code == 0, err[-3000:]
+    assert (tmp_path / "member died").exists(), err[-3000:]
+    said = _lines(out)
+    assert any(d.get("job_rank") == 5 and "shrink_seconds" in d for d in said), said  # (the replacement shrank)
+    done = {d["job_rank"]: d for d in said if d.get("done")}
+    assert sorted(done) == list(range(6)) and all(d["members"] == list(range(6)) for d in done.values()), done
+    assert done[0]["shards"] == done[2]["shards"] == done[4]["shards"], done
+    assert done[1]["shards"] == done[3]["shards"] == done[5]["shards"], done
     assert all(d["worst_grad_error"] < 1e-5 for d in done.values()), done
 
 

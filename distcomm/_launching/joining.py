@@ -30,10 +30,11 @@ if TYPE_CHECKING:
 __all__ = ["join_now", "joining", "not_joined"]
 
 
-def joining(cls: type[_TorchCommunicator], join: Callable[[Any], None], job_rank: int, world: int,
+def joining(cls: type[_TorchCommunicator], join: Callable[[Any], BaseException | None], job_rank: int, world: int,
             **known: Any) -> Any:
     """A ``cls`` communicator that ``join`` makes, in place, at its first use; the process-wide
-    default meanwhile. ``known``: the instance's attributes known before (its device, launcher)."""
+    default meanwhile. ``known``: the instance's attributes known before (its device, launcher).
+    What ``join`` returns is a rank loss met once the communicator was made: its first use raises it."""
     comm = object.__new__(_joining_class(cls))
     comm.__dict__.update(known, _join=join, _waits_as=(job_rank, world))
     set_default(comm)
@@ -48,9 +49,13 @@ def not_joined(comm: object) -> tuple[int, int] | None:
 
 
 def join_now(comm: Any) -> None:
-    """Join, if ``comm`` is a replacement that hasn't yet (what its first call would do)."""
+    """Join, if ``comm`` is a replacement that hasn't yet (what its first call would do); raises
+    the loss of a member met as it joined, if no call has raised it yet."""
     if "_join" in comm.__dict__:
         comm._join_now()
+    loss = comm.__dict__.pop("_loss_unraised", None)
+    if loss is not None:
+        raise loss
 
 
 class _Joining:
@@ -62,22 +67,22 @@ class _Joining:
 
     def __getattr__(self, name: str) -> Any:  # (only for names the instance lacks: what set-up makes)
         if "_join" in self.__dict__ and name.startswith("_") and not name.startswith("__"):
-            self._join_now()
+            self._join_now(raise_loss=False)  # (a read, perhaps of its rank: the next call raises a loss)
             return getattr(self, name)
         return cast(Any, super()).__getattr__(name)  # (Communicator's: other libraries' spellings)
 
     @property
     def membership(self) -> Membership:
-        self._join_now()  # (the class's defaults would say a membership of no one)
+        self._join_now(raise_loss=False)  # (the class's defaults would say a membership of no one)
         return self.membership
 
-    def _join_now(self) -> None:
+    def _join_now(self, *, raise_loss: bool = True) -> None:
         join = self.__dict__.pop("_join", None)
         if join is None:  # (a use from another thread while this one joins)
             raise CommunicatorStateError(f"{type(self).__name__}: used while it joins the job, from another thread")
         known, plain = dict(self.__dict__), self._plain
         try:
-            join(self)
+            lost = join(self)
         except BaseException as e:
             # back as it was (what a failed set-up left would let a call run on a half-made one),
             # and every later use says why
@@ -87,6 +92,10 @@ class _Joining:
                 _never, f"joining the job failed ({e})")
             self.__dict__.update(known, _join=refused)
             raise
+        if lost is not None:  # (made, and a member lost as it was: shrink() goes on from it)
+            if raise_loss:
+                raise lost
+            self._loss_unraised = lost
 
     def close(self) -> None:
         """Closed before its first use: it never joins (it proved no key, so no admit lets it in)."""

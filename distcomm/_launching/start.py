@@ -27,7 +27,7 @@ from .._elastic.failure_report import store_host_pid
 from .._elastic.forming import FormingFailed, WatchedStore, init_gloo, publish_pid
 from .._elastic.keepalive import keep_alive
 from .._elastic.membership import job_pids, reformed, remember_let_in, shrink_begun, successor
-from .._errors import CommunicatorStateError, PeerError
+from .._errors import CollectiveError, CollectiveTimeoutError, CommunicatorStateError, PeerError
 from .._transfer.messages import settle_limit
 from .._trust.handshake import prove_members, remember_ticket
 from .._trust.key import job_key
@@ -38,6 +38,7 @@ from .ports import free_port
 from .rendezvous import TICKET, Seat, Waiting, meet_or_wait, parse_url, unreachable_here, unresolved
 
 if TYPE_CHECKING:
+    from .._mesh import ElasticMesh
     from .._torch import _TorchCommunicator
 
 __all__ = ["start_from", "start_seat", "start_world", "url_host"]
@@ -115,9 +116,10 @@ def start_world(
 
 def _join_when_ready(waiting: Waiting, cls: type[_TorchCommunicator], seconds: float,
                      timeout: float | datetime.timedelta | None, launcher: str | None, kwargs: dict[str, Any],
-                     comm: Any) -> None:
+                     comm: Any) -> CollectiveError | None:
     """A replacement's first use: it proves the job's key, the members' next ``admit()`` lets it
-    in, and ``comm`` (the object its script holds) becomes the communicator of their new membership."""
+    in, and ``comm`` (the object its script holds) becomes the communicator of their new membership.
+    Returns the loss of a member met as that membership's mesh was made (its first use raises it)."""
     mesh = comm.__dict__.pop("_mesh", None)  # (one its script made before: ElasticMesh.before_join)
     seat = waiting.join(seconds)
     if mesh is not None:
@@ -125,17 +127,30 @@ def _join_when_ready(waiting: Waiting, cls: type[_TorchCommunicator], seconds: f
     comm.__class__ = cls  # (from here on a plain one, made in place)
     start_seat(cls, seat, timeout=timeout, into=comm, **kwargs)
     comm._launcher = launcher
-    if mesh is not None:  # (the members' admit makes its groups too: _succeeded_by)
-        if mesh.layout.whole(comm.membership.job_ranks) != comm.membership.job_ranks:
-            raise CommunicatorStateError(
-                f"a member was lost as this replacement was let in, and the membership it joined "
-                f"({list(comm.membership.job_ranks)}) has a replica that isn't whole: start the replacement again")
-        comm._mesh = mesh
-        mesh.follow(comm)
     let_in = seat.job_rank in seat.admitted  # (else the round completed: a restart of the whole job)
     comm._holds_state = not let_in  # (a newcomer's, once sync_state hands it the members')
     if let_in:  # the members wait for its first call from now (warn_late_first_call)
         comm._let_in_at = time.monotonic()
+    if mesh is None:
+        return None
+    comm._mesh = mesh  # (the members' admit makes its groups too: _succeeded_by)
+    return _follow_as_members_do(comm, mesh)
+
+
+def _follow_as_members_do(comm: _TorchCommunicator, mesh: ElasticMesh) -> CollectiveError | None:
+    """Point a replacement's mesh at the membership it joined. Where a member was lost as it
+    formed, the members shrink at once (``_succeeded_by``); the replacement learns of the loss
+    from its first call, as a rank loss, and its script's ``shrink()`` meets theirs."""
+    members = comm.membership.job_ranks
+    if mesh.layout.whole(members) != members:
+        return PeerError(
+            f"a member was lost as this replacement was let in: the membership it joined ({list(members)}) has a "
+            f"replica that isn't whole; shrink() to go on with the whole ones", op="admit")
+    try:
+        mesh.follow(comm)
+    except (PeerError, CollectiveTimeoutError) as e:  # (a member lost in the mesh's splits)
+        return e
+    return None
 
 
 def start_seat(cls: type[_TorchCommunicator], seat: Seat, *, timeout: float | datetime.timedelta | None,
