@@ -156,6 +156,15 @@ class SubCommunicators:
         comm._check_usable()
         return split(comm, 0 if comm.rank in members else None, comm.rank, tuple(members), comm._op_timeout(timeout))
 
+    def _group_in(self, partition: list[list[int]]) -> Any:
+        """The torch group of this rank's part of ``partition`` (ranks, every part in rank order),
+        which every rank derives alike from what it already knows (the mesh's lines): a collective.
+        Here a split; the torch transports make the groups without asking the others first."""
+        color = next(i for i, part in enumerate(partition) if self.rank in part)  # type: ignore[attr-defined]
+        sub = front_door(self).split(color)
+        assert sub is not None
+        return sub.group
+
     def create_local_groups(self, num_workers_per_machine: int) -> None:
         """Regroup ranks by machine as ``rank // num_workers_per_machine``, for processes started
         without launch() or torchrun, where host names don't tell machines apart.

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import GroupName
 
+from ._elastic.deferred_free import let_go
 from ._errors import CommunicatorStateError
 from ._torch_tables import enter, leave
 
@@ -95,6 +96,11 @@ class FollowingGroup(dist.ProcessGroup):
 
     def follow(self, target: Any) -> None:
         self._target = target
+
+    @property
+    def target(self) -> Any:
+        """The group it forwards to now."""
+        return self._target
 
     def rank(self) -> int:
         return int(self._target.rank())
@@ -167,7 +173,7 @@ class ElasticMesh:
     @classmethod
     def over(cls, comm: Communicator, layout: MeshLayout) -> ElasticMesh:
         """The mesh over the groups of ``comm``'s members (a collective of theirs)."""
-        return cls(layout, comm.device.type, [sub.group for sub in _lines(comm, layout)])
+        return cls(layout, comm.device.type, _lines(comm, layout))
 
     @classmethod
     def before_join(cls, comm: Communicator, layout: MeshLayout, job_rank: int,
@@ -207,10 +213,12 @@ class ElasticMesh:
     def follow(self, comm: Communicator) -> None:
         """Point the mesh's groups at ``comm``'s (a collective of its members: every one of them
         that holds the mesh calls it as its membership is made, a newcomer in its ``device_mesh()``)."""
-        targets = [sub.group for sub in _lines(comm, self.layout)]
+        targets = _lines(comm, self.layout)
+        old = [group.target for group in self.groups]
         for group, target in zip(self.groups, targets, strict=True):
             group.follow(target)
         self._register(targets)
+        let_go(old)  # (the last membership's, closed: torn down off this path)
 
     def unrestorable(self, lost: Sequence[int]) -> str:
         """Why this rank's snapshots can't bring back the job ranks ``lost`` ("" where they can)."""
@@ -226,15 +234,17 @@ class ElasticMesh:
                   c10d._world.pg_backend_config.get(target, ""))
 
 
-def _lines(comm: Communicator, layout: MeshLayout) -> list[Communicator]:
-    """This rank's group along each dimension, of ``comm``'s members (made on every member in the same order)."""
-    me = comm.membership.job_ranks[comm.rank]
-    subs = []
+def _lines(comm: Communicator, layout: MeshLayout) -> list[Any]:
+    """This rank's torch group along each dimension, of ``comm``'s members (made on every member
+    in the same order, each line's ranks in its order: the job ranks', which the layout orders)."""
+    job_ranks = comm.membership.job_ranks
+    groups = []
     for dim in range(len(layout.shape)):
-        sub = comm.split(layout.line(dim, me), key=layout.coords(me)[dim])
-        assert sub is not None
-        subs.append(sub)
-    return subs
+        lines: dict[int, list[int]] = {}
+        for r, job_rank in enumerate(job_ranks):
+            lines.setdefault(layout.line(dim, job_rank), []).append(r)
+        groups.append(comm._group_in([lines[k] for k in sorted(lines)]))
+    return groups
 
 
 class NotJoinedGroup(dist.ProcessGroup):

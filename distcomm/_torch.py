@@ -22,7 +22,7 @@ from ._agreement import check_settings, spans
 from ._calls import CallSpec, Op
 from ._communicator import DEFAULT_SLOT_BYTES, Communicator
 from ._defaults import clear_default
-from ._elastic.deferred_free import DEFERRED
+from ._elastic.deferred_free import DEFERRED, let_go
 from ._elastic.failure_report import fail
 from ._elastic.forming import connecting, forming_watched, native_store
 from ._elastic.liveness import process_id
@@ -59,7 +59,8 @@ _SETTLE_SECONDS = 0.02
 """How long close() lets the transport's threads finish releasing the last ops."""
 
 _SETTLED = threading.local()
-"""``now``: this thread closes communicators together, and their threads had their pause."""
+"""``now``: this thread closes communicators together, and their threads had their pause (or
+need none: ``off_path``, their groups torn down on a thread of their own)."""
 
 _HOW_TO_START = (
     "torch.distributed is not initialized. Start it with {cls}.from_env() (under any launcher), "
@@ -328,19 +329,22 @@ class _TorchCommunicator(TorchMembership, Communicator):
         return self._local_group
 
     @contextlib.contextmanager
-    def _closing_together(self) -> Iterator[None]:
+    def _closing_together(self, *, off_path: bool = False) -> Iterator[None]:
         """Close several communicators in a row (a membership's and those split from it): the
         transport's threads get one pause to release their last ops, before the first, rather than
-        one each (a pause each is on the path of every shrink and admit)."""
+        one each (a pause each is on the path of every shrink and admit). ``off_path``: the job's
+        communicator's groups are torn down on a thread of their own (``let_go``), which lets
+        the transport's threads release their ops meanwhile: no pause (an admit's)."""
         if getattr(_SETTLED, "now", False):  # (within another: a sub-communicator's, as its parent closes)
             yield
             return
-        time.sleep(_SETTLE_SECONDS)
-        _SETTLED.now = True
+        if not off_path:
+            time.sleep(_SETTLE_SECONDS)
+        _SETTLED.now, _SETTLED.off_path = True, off_path
         try:
             yield
         finally:
-            _SETTLED.now = False
+            _SETTLED.now = _SETTLED.off_path = False
 
     def _shutdown(self) -> None:
         # A gloo worker drops its reference to a finished op's tensors after the op completes, and
@@ -352,6 +356,8 @@ class _TorchCommunicator(TorchMembership, Communicator):
         if self._eager:
             settle_eager(self, settle_limit(self, self._ending_on_error))
         reused = []
+        groups = [*self._owned, self._group, self._obj_group, self._local_group, self._block_group,
+                  self._leader_group]
         for g in reversed(self._owned):
             name = getattr(g, "group_name", None)
             try:
@@ -376,6 +382,8 @@ class _TorchCommunicator(TorchMembership, Communicator):
         self._group = self._obj_group = self._local_group = self._store = self._reports = None
         self._block_group = self._leader_group = None
         self._header_bufs, self._carry = {}, None  # its native calls are the groups' bound methods
+        if self._owns_default and getattr(_SETTLED, "off_path", False):  # (the next membership forms meanwhile)
+            let_go(groups)
 
     # ------------------------------------------------------------------ transport
     # How its waits go (see _waits): in slices that look at Ctrl-C and at the peers' processes
@@ -678,6 +686,13 @@ class _TorchCommunicator(TorchMembership, Communicator):
         sub._job_ranks = tuple(self.membership.job_ranks[r] for r in mine)
         self._subs.add(sub)
         return sub
+
+    def _group_in(self, partition: list[list[int]]) -> Any:
+        """``SubCommunicators._group_in``: every rank makes every part's group, in order (no exchange:
+        the parts are alike on every rank); this communicator owns them."""
+        backend = str(dist.get_backend(self._group))
+        made = [self._new_group(part, backend) for part in partition]
+        return next(g for g, part in zip(made, partition, strict=True) if self._rank in part)
 
     def _refuse_misnamed(self, groups: list[list[int]], timeout: float | None) -> None:
         """Refuse, on every rank and before any group is made, groups whose members torch would name

@@ -9,17 +9,20 @@ campaign), and torn down at interpreter exit under such a thread, it aborts the 
 groups' threads and connections for the life of the process. So each is held for its timeout,
 and freed at the next safe point after that (a later shrink, a close): at any moment a process
 holds only the groups of the memberships that lost a rank within one timeout. Those of a
-membership that lost no one have no peer to wait on, and go with its shrink (``free``)."""
+membership that lost no one have no peer to wait on, and go with its shrink (``free``).
+
+Those a closing communicator is done with go at once, but off its caller's path (``let_go``)."""
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import math
 import threading
 import time
 from typing import Any
 
-__all__ = ["DEFERRED", "DeferredFree"]
+__all__ = ["DEFERRED", "DeferredFree", "let_go"]
 
 MARGIN_SECONDS = 2.0
 """Held this much past the group's timeout: the transport's own timeout ends its wait a moment late."""
@@ -65,3 +68,26 @@ class DeferredFree:
 
 DEFERRED = DeferredFree()
 ctypes.pythonapi.Py_IncRef(ctypes.py_object(DEFERRED))  # never torn down at interpreter exit: see the module
+
+
+def let_go(things: list[Any]) -> None:
+    """Drop the last references to ``things`` (the groups of a communicator that closed, emptied
+    from the list) on a thread of their own: tearing a gloo group down joins its threads, about 20
+    ms each with the GIL released, which a shrink or an admit then need not wait for. Not a daemon
+    thread: the interpreter waits for it at exit, where a teardown cut short aborts the process."""
+    held = things[:]
+    things.clear()
+    thread = threading.Thread(target=held.clear, name="distcomm-let-go")
+    _LETTING_GO[:] = [*(t for t in _LETTING_GO if t.is_alive()), thread]
+    thread.start()
+
+
+def _wait_for_let_go() -> None:
+    """At exit, after the communicators' own closes (atexit runs its functions last in, first
+    out, and this one is in first): the threads those closes started end before the interpreter."""
+    while _LETTING_GO:
+        _LETTING_GO.pop().join()
+
+
+_LETTING_GO: list[threading.Thread] = []
+atexit.register(_wait_for_let_go)

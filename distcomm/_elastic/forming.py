@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .._errors import CollectiveTimeoutError, PeerError
-from .._launching.rendezvous import Seat, who_key
+from .._launching.rendezvous import Seat, poll_cap, who_key
 from .liveness import HOSTS_LOST, alive, machine, process_id
 from .membership import shrink_begun
 
@@ -100,6 +100,7 @@ class WatchedStore(_c10d.Store):  # type: ignore[misc]
         limit = (timeout or self.inner.timeout).total_seconds()
         start = time.monotonic()
         pause, next_look = 0.001, start + LOOK_SECONDS
+        longest = min(0.05, poll_cap(len(self.seat.members)))  # (the members' stall: short, but for large jobs)
         while not self.inner.check(keys):
             now = time.monotonic()
             if now - start > limit:
@@ -110,7 +111,7 @@ class WatchedStore(_c10d.Store):  # type: ignore[misc]
                 self.look()
                 next_look = now + LOOK_SECONDS
             time.sleep(pause)
-            pause = min(pause * 2, 0.05)
+            pause = min(pause * 2, longest)
 
     def wait_for_members(self) -> None:
         """Wait, watched, until every member has made its group (after ``init_process_group``: and

@@ -72,7 +72,7 @@ class TorchMembership:
             comm._mesh.snapshots.settle()  # (its group goes with this membership: the copy in flight ends first)
         settings = comm._rebuild_settings()
         pids = _membership.job_pids(comm)
-        with comm._closing_together():
+        with comm._closing_together(off_path=True):
             comm._retire_subs("admit")
             comm.close()
         return comm._succeeded_by(start_seat(type(comm), seat, pids=pids, **settings), timeout)

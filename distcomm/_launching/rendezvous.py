@@ -61,7 +61,7 @@ def poll_cap(world: int) -> float:
     all but large jobs, where every rank may be waiting at once and the pause keeps the store's load
     bounded (``LOOKS_PER_SECOND``). (Each look may meet a store whose host just ended, where torch's
     client prints pages of C++ frames: the first round's ranks look seldom.)"""
-    return min(POLL_LAST, max(5 * POLL_FIRST, world / LOOKS_PER_SECOND))
+    return min(POLL_LAST, max(POLL_FIRST, world / LOOKS_PER_SECOND))
 
 
 def parse_url(url: str) -> tuple[str, int]:
