@@ -120,7 +120,8 @@ HSDP_JOB = """
             say(shrink_seconds=time.monotonic() - t, members=list(comm.membership.job_ranks))
     comm.check_identical(model, opt)
     shards = [p.to_local().detach().flatten().tolist() for p in model.parameters()]
-    say(done=True, members=list(comm.membership.job_ranks), worst_grad_error=worst, shards=shards)
+    say(done=True, members=list(comm.membership.job_ranks), worst_grad_error=worst, shards=shards,
+        local_size=comm.local_size)
     comm.close()
 """
 
@@ -153,6 +154,7 @@ def test_the_other_replica_steps_on_and_the_lost_one_comes_back_whole(tmp_path: 
     done = {d["job_rank"]: d for d in said if d.get("done")}
     assert sorted(done) == [0, 1, 2, 3] and all(d["members"] == [0, 1, 2, 3] for d in done.values())
     assert len({d["step"] for d in done.values()}) == 1 and done[0]["step"] >= 30, done
+    assert all(d["local_size"] == 4 for d in done.values()), done  # the replacement too is on this machine
     # the replicas agree, bit for bit
     assert done[0]["shards"] == done[2]["shards"] and done[1]["shards"] == done[3]["shards"]
     assert done[0]["shards"] != done[1]["shards"]

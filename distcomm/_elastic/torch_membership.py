@@ -98,7 +98,8 @@ class TorchMembership:
         """What a communicator of a new membership takes over from this one."""
         comm = _torch_comm(self)
         return {"timeout": comm._timeout, "serializer": comm.serializer, "max_bytes": comm.max_bytes,
-                "slot_bytes": comm.slot_bytes, "receive_cuda_on": comm.receive_cuda_on}
+                "slot_bytes": comm.slot_bytes, "receive_cuda_on": comm.receive_cuda_on,
+                "machine": comm._machine_key}  # (as a replacement names its machine: from_env's)
 
     def _held_groups(self) -> list[Any]:
         """The torch groups this communicator uses (the default one where it owns it: DDP's, when
