@@ -58,6 +58,11 @@ class _World:
         self.cut: set[tuple[int, ...]] = set()  # (sender, receiver[, tag]) whose receiver gave up
         self.members: list[Communicator | None] = [None] * size  # each rank's communicator, for error messages
 
+    def lose(self, job_rank: int) -> None:
+        """Job rank ``job_rank`` is lost: every call on this world (and its sub-worlds) fails from now on."""
+        self.lost = (self.job_ranks.index(job_rank), job_rank)
+        self._wake_all()
+
     def _wake_all(self) -> None:
         for c in self.conds:
             with c:
@@ -283,8 +288,7 @@ class ThreadedCommunicator(Communicator):
         world = self._world
         while world.parent is not None:
             world = world.parent
-        world.lost = (world.job_ranks.index(job_rank), job_rank)
-        world._wake_all()
+        world.lose(job_rank)
 
     def _deadline(self, timeout: float | None) -> float | None:
         return None if timeout is None else time.monotonic() + timeout

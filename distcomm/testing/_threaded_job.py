@@ -59,7 +59,12 @@ class ThreadedJob:
             if self.lose.get(comm._job_rank) != n:
                 return
             self._gone.add(comm._job_rank)
+            # (the survivors of another loss may have made their next world with this rank in it
+            # before it was lost: as a real one's process, it is lost there too)
+            formed = [w for w, _ in self._next.values() if comm._job_rank in w.job_ranks]
         comm._world_lost(comm._job_rank)
+        for world in formed:
+            world.lose(comm._job_rank)
         raise Lost
 
     # ------------------------------------------------------------------ shrink
