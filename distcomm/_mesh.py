@@ -239,11 +239,15 @@ def _lines(comm: Communicator, layout: MeshLayout) -> list[Any]:
     in the same order, each line's ranks in its order: the job ranks', which the layout orders)."""
     job_ranks = comm.membership.job_ranks
     groups = []
-    for dim in range(len(layout.shape)):
-        lines: dict[int, list[int]] = {}
-        for r, job_rank in enumerate(job_ranks):
-            lines.setdefault(layout.line(dim, job_rank), []).append(r)
-        groups.append(comm._group_in([lines[k] for k in sorted(lines)]))
+    try:
+        for dim in range(len(layout.shape)):
+            lines: dict[int, list[int]] = {}
+            for r, job_rank in enumerate(job_ranks):
+                lines.setdefault(layout.line(dim, job_rank), []).append(r)
+            groups.append(comm._group_in([lines[k] for k in sorted(lines)]))
+    except BaseException:
+        groups.clear()  # (the error's traceback keeps this frame: the groups go with their communicator)
+        raise
     return groups
 
 

@@ -14,7 +14,8 @@ What a peer announces is checked before a byte moves: each part's byte count (se
 header) must be its dtype and shape's, so that the receiver posts buffers of exactly the sizes that
 come; a tensor lands only where the receiver's state has a tensor or nothing (never in place of a
 learning rate). Where the communicator authenticates, the header also carries each part's digest
-(SHA-256, under the header's MAC): the bytes are checked in scratch memory before they go on.
+(SHA-256 or blake2b, whichever this CPU hashes faster, under the header's MAC): the bytes are
+checked in scratch memory before they go on.
 
 Fresh tensors are bounded before any is allocated: by ``max_bytes`` where the communicator has one,
 else by this machine's memory. A transport that records messages as objects (the fake) takes the
@@ -28,6 +29,7 @@ import functools
 import hashlib
 import hmac
 import math
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -157,7 +159,8 @@ def send_parts(comm: Communicator, r: int, header: list[Any], parts: list[torch.
     leaves a shorter one's rest unwritten) and, where the communicator authenticates, each part's
     digest: the header's MAC then covers the bytes too."""
     parts = [_as_bytes(p) for p in parts] if raw else []
-    digests = [_digest(p) for p in parts] if _authenticated(comm) else None
+    name = _faster_digest()
+    digests = (name, [_digest(p, name) for p in parts]) if _authenticated(comm) else None
     try:
         comm.isend((header, [p.numel() for p in parts], digests), r, tag=_STATE_TAG).wait()
     except (SerializationError, PayloadTooLargeError) as e:
@@ -172,11 +175,26 @@ def _authenticated(comm: Communicator) -> bool:
     return isinstance(comm.serializer, AuthenticatedSerializer)
 
 
-def _digest(part: torch.Tensor) -> bytes:
-    """A part's bytes' digest (collision resistant: inside the MAC'd header, it binds the bytes).
-    SHA-256: where the CPU has instructions for it (x86's SHA-NI, Arm's SHA2) 2-3x blake2b's speed,
-    and every byte of a newcomer's state is hashed on both sides, on the members' path."""
-    return hashlib.sha256(part.detach().numpy().data).digest()
+def _digest(part: torch.Tensor, name: str) -> bytes:
+    """A part's bytes' digest (collision resistant: inside the MAC'd header, it binds the bytes)."""
+    return hashlib.new(name, part.detach().numpy().data).digest()
+
+
+@functools.cache
+def _faster_digest() -> str:
+    """SHA-256 where this CPU has instructions for it (x86's SHA-NI, Arm's SHA2: 2-3x blake2b's
+    speed), else blake2b: every byte of a newcomer's state is hashed on both sides, on the members'
+    path. The sender names it in the MAC'd header; the receiver takes either."""
+    sample = bytes(1 << 20)
+    took = {}
+    for name in _DIGESTS:
+        start = time.perf_counter()
+        hashlib.new(name, sample).digest()
+        took[name] = time.perf_counter() - start
+    return min(took, key=took.__getitem__)
+
+
+_DIGESTS = ("sha256", "blake2b")
 
 
 # ---------------------------------------------------------------- the receiver
@@ -221,20 +239,22 @@ class _Refused(ValueError):
     """Why this rank refuses a header (its text is the reason, as the call's error gives it)."""
 
 
-def _unwrapped(got: Any, raw: bool, authenticated: bool) -> tuple[Any, list[int], list[bytes] | None]:
+def _unwrapped(got: Any, raw: bool, authenticated: bool) -> tuple[Any, list[int], tuple[str, list[bytes]] | None]:
     """The header, each part's byte count and digests, where they are what ``send_parts`` sends."""
     if not (isinstance(got, tuple) and len(got) == 3 and isinstance(got[1], list)
-            and all(type(n) is int for n in got[1]) and (got[2] is None or isinstance(got[2], list))):
+            and all(type(n) is int for n in got[1]) and (got[2] is None or isinstance(got[2], tuple))):
         raise _Refused("the state's header is malformed")
     header, sizes, digests = got
-    if authenticated and raw and not (isinstance(digests, list) and len(digests) == len(sizes)
-                                      and all(isinstance(d, bytes) for d in digests)):
-        raise _Refused("the state's header carries no digest of each tensor's bytes: this communicator "
-                       "authenticates the bytes too")
+    if authenticated and raw and not (isinstance(digests, tuple) and len(digests) == 2 and digests[0] in _DIGESTS
+                                      and isinstance(digests[1], list) and len(digests[1]) == len(sizes)
+                                      and all(isinstance(d, bytes) for d in digests[1])):
+        raise _Refused("the state's header carries no digest of each tensor's bytes (SHA-256 or blake2b): this "
+                       "communicator authenticates the bytes too")
     return header, sizes, digests if authenticated and raw else None
 
 
-def _take_bytes(comm: Communicator, src: int, bufs: list[torch.Tensor], digests: list[bytes] | None) -> str | None:
+def _take_bytes(comm: Communicator, src: int, bufs: list[torch.Tensor],
+                digests: tuple[str, list[bytes]] | None) -> str | None:
     """The parts' bytes into ``bufs`` (each of the size the header said, checked: ``_landings``).
     Authenticated, each arrives in scratch memory first and goes on only where its digest is the
     one the MAC'd header gave: bytes changed on the way never become state (a part that came
@@ -245,11 +265,12 @@ def _take_bytes(comm: Communicator, src: int, bufs: list[torch.Tensor], digests:
         return None
     scratch = torch.empty(max((b.numel() for b in bufs), default=0), dtype=torch.uint8)
     changed = []
-    for i, (buf, digest) in enumerate(zip(bufs, digests, strict=True)):
+    name, expected = digests
+    for i, (buf, digest) in enumerate(zip(bufs, expected, strict=True)):
         got = scratch[:buf.numel()]
         if buf.numel():  # (every part taken, changed or not: the sender's sends all end)
             comm._recv_message(src, _BYTES_TAG, [got], timeout)
-        if hmac.compare_digest(_digest(got), digest):
+        if hmac.compare_digest(_digest(got, name), digest):
             buf.copy_(got)
         else:
             changed.append(i)

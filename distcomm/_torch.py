@@ -690,9 +690,15 @@ class _TorchCommunicator(TorchMembership, Communicator):
     def _group_in(self, partition: list[list[int]]) -> Any:
         """``SubCommunicators._group_in``: every rank makes every part's group, in order (no exchange:
         the parts are alike on every rank); this communicator owns them."""
+        if not self._is_world:  # (as _make_sub: torch names these groups from each member's count)
+            self._refuse_misnamed(partition, self._timeout)
         backend = str(dist.get_backend(self._group))
-        made = [self._new_group(part, backend) for part in partition]
-        return next(g for g, part in zip(made, partition, strict=True) if self._rank in part)
+        mine = None
+        for part in partition:
+            group = self._new_group(part, backend)
+            if self._rank in part:
+                mine = group
+        return mine
 
     def _refuse_misnamed(self, groups: list[list[int]], timeout: float | None) -> None:
         """Refuse, on every rank and before any group is made, groups whose members torch would name

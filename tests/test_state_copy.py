@@ -304,6 +304,31 @@ def test_authenticated_tensor_bytes_changed_on_the_way_are_refused(monkeypatch: 
     assert outs[1][1] == [0.0] * 4  # (the changed bytes never became the receiver's state)
 
 
+def _digested_with(comm: distcomm.Communicator, name: str) -> list[float]:
+    import distcomm._state_copy as sc
+
+    if comm.rank == 0:  # (the sender's CPU hashes another digest faster: it names it, the receiver follows)
+        sc._faster_digest = lambda: name  # type: ignore[assignment]
+    state = {"w": torch.full((4,), 1.5) if comm.rank == 0 else torch.zeros(4)}
+    comm._holds_state = comm.rank == 0
+    comm.sync_state(state)
+    return state["w"].tolist()
+
+
+@pytest.mark.parametrize("name", ["blake2b", "sha256"])
+def test_an_authenticated_hand_over_takes_the_digest_its_sender_names(monkeypatch: pytest.MonkeyPatch,
+                                                                     name: str) -> None:
+    monkeypatch.setenv("DISTCOMM_SERIALIZER", "authenticated-safe")
+    assert spawn(lambda comm: _digested_with(comm, name), 2, timeout=60) == [[1.5] * 4] * 2
+
+
+def test_an_authenticated_hand_over_with_a_digest_of_no_known_name_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DISTCOMM_SERIALIZER", "authenticated-safe")
+    with pytest.raises(distcomm.RankFailedError) as failed:
+        spawn(lambda comm: _digested_with(comm, "md5"), 2, timeout=60)
+    assert "carries no digest of each tensor's bytes (SHA-256 or blake2b)" in str(failed.value.exception), failed.value
+
+
 # ---------------------------------------------------------------- a receiver lost on the way
 def _one_receiver_lost(comm: distcomm.Communicator) -> str:
     """Rank 0 hands its state to ranks 1 and 2 at once; rank 2 dies as it begins to receive, and

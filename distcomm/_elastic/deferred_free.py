@@ -1,9 +1,9 @@
 """Groups that may still have a transport thread waiting on a lost peer, held until that wait has
 surely ended, then let go.
 
-Freeing a gloo group joins its worker threads, with the GIL held. After a membership breaks, one
+Freeing a gloo group joins its worker threads on the freeing thread. After a membership breaks, one
 of them may still be connecting lazily to a peer that is gone, for up to the group's timeout:
-freed then, the group would hold the whole process that long (a shrink hung so in the kill
+freed then, the group would hold its caller that long (a shrink hung so in the kill
 campaign), and torn down at interpreter exit under such a thread, it aborts the process
 ("terminate called without an active exception"). Held forever, every shrink would keep its
 groups' threads and connections for the life of the process. So each is held for its timeout,
@@ -15,7 +15,6 @@ Those a closing communicator is done with go at once, but off its caller's path 
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import math
 import threading
@@ -74,20 +73,7 @@ def let_go(things: list[Any]) -> None:
     """Drop the last references to ``things`` (the groups of a communicator that closed, emptied
     from the list) on a thread of their own: tearing a gloo group down joins its threads, about 20
     ms each with the GIL released, which a shrink or an admit then need not wait for. Not a daemon
-    thread: the interpreter waits for it at exit, where a teardown cut short aborts the process."""
+    thread: the interpreter joins it before it finalizes, where a teardown cut short aborts the process."""
     held = things[:]
     things.clear()
-    thread = threading.Thread(target=held.clear, name="distcomm-let-go")
-    _LETTING_GO[:] = [*(t for t in _LETTING_GO if t.is_alive()), thread]
-    thread.start()
-
-
-def _wait_for_let_go() -> None:
-    """At exit, after the communicators' own closes (atexit runs its functions last in, first
-    out, and this one is in first): the threads those closes started end before the interpreter."""
-    while _LETTING_GO:
-        _LETTING_GO.pop().join()
-
-
-_LETTING_GO: list[threading.Thread] = []
-atexit.register(_wait_for_let_go)
+    threading.Thread(target=held.clear, name="distcomm-let-go").start()

@@ -100,7 +100,7 @@ class WatchedStore(_c10d.Store):  # type: ignore[misc]
         limit = (timeout or self.inner.timeout).total_seconds()
         start = time.monotonic()
         pause, next_look = 0.001, start + LOOK_SECONDS
-        longest = min(0.05, poll_cap(len(self.seat.members)))  # (the members' stall: short, but for large jobs)
+        longest = min(0.05, poll_cap(len(self.seat.members)))  # (the members' stall: 10 ms apart in small jobs)
         while not self.inner.check(keys):
             now = time.monotonic()
             if now - start > limit:

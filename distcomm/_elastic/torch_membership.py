@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch.distributed as dist
 
-from .._errors import CollectiveTimeoutError, PeerError
+from .._errors import is_rank_loss
 from .._handles import Queues
 from .._launching.rendezvous import Seat, rejoin
 from .._launching.start import start_seat
@@ -90,7 +90,9 @@ class TorchMembership:
                 return new.shrink(timeout=timeout)          # replica's other ranks wait again, the rest go on)
             try:
                 new._mesh.follow(new)  # (FSDP's groups: the first collective of the new membership)
-            except (PeerError, CollectiveTimeoutError):  # (its own failure: not the one the caller handles)
+            except Exception as e:  # (its own failure: not the one the caller handles)
+                if not is_rank_loss(e):  # (torch's own error too: a group's set-up met the loss first)
+                    raise
                 return new.shrink(timeout=timeout)  # (a rank lost as the membership began)
         return new
 

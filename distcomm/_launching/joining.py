@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 __all__ = ["join_now", "joining", "not_joined"]
 
 
-def joining(cls: type[_TorchCommunicator], join: Callable[[Any], BaseException | None], job_rank: int, world: int,
+def joining(cls: type[_TorchCommunicator], join: Callable[[Any], Exception | None], job_rank: int, world: int,
             **known: Any) -> Any:
     """A ``cls`` communicator that ``join`` makes, in place, at its first use; the process-wide
     default meanwhile. ``known``: the instance's attributes known before (its device, launcher).

@@ -27,7 +27,7 @@ from .._elastic.failure_report import store_host_pid
 from .._elastic.forming import FormingFailed, WatchedStore, init_gloo, publish_pid
 from .._elastic.keepalive import keep_alive
 from .._elastic.membership import job_pids, reformed, remember_let_in, shrink_begun, successor
-from .._errors import CollectiveError, CollectiveTimeoutError, CommunicatorStateError, PeerError
+from .._errors import CommunicatorStateError, PeerError, is_rank_loss
 from .._transfer.messages import settle_limit
 from .._trust.handshake import prove_members, remember_ticket
 from .._trust.key import job_key
@@ -116,7 +116,7 @@ def start_world(
 
 def _join_when_ready(waiting: Waiting, cls: type[_TorchCommunicator], seconds: float,
                      timeout: float | datetime.timedelta | None, launcher: str | None, kwargs: dict[str, Any],
-                     comm: Any) -> CollectiveError | None:
+                     comm: Any) -> Exception | None:
     """A replacement's first use: it proves the job's key, the members' next ``admit()`` lets it
     in, and ``comm`` (the object its script holds) becomes the communicator of their new membership.
     Returns the loss of a member met as that membership's mesh was made (its first use raises it)."""
@@ -137,7 +137,7 @@ def _join_when_ready(waiting: Waiting, cls: type[_TorchCommunicator], seconds: f
     return _follow_as_members_do(comm, mesh)
 
 
-def _follow_as_members_do(comm: _TorchCommunicator, mesh: ElasticMesh) -> CollectiveError | None:
+def _follow_as_members_do(comm: _TorchCommunicator, mesh: ElasticMesh) -> Exception | None:
     """Point a replacement's mesh at the membership it joined. Where a member was lost as it
     formed, the members shrink at once (``_succeeded_by``); the replacement learns of the loss
     from its first call, as a rank loss, and its script's ``shrink()`` meets theirs."""
@@ -148,7 +148,9 @@ def _follow_as_members_do(comm: _TorchCommunicator, mesh: ElasticMesh) -> Collec
             f"replica that isn't whole; shrink() to go on with the whole ones", op="admit")
     try:
         mesh.follow(comm)
-    except (PeerError, CollectiveTimeoutError) as e:  # (a member lost in the mesh's splits)
+    except Exception as e:  # (a member lost as the mesh's groups were made: torch's own error too)
+        if not is_rank_loss(e):
+            raise
         return e
     return None
 
