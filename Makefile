@@ -40,10 +40,10 @@ demo: $(RUNTIME)  ## the example training and evaluation jobs on 2 CPU processes
 	$(BIN)/python examples/train.py --nproc 2
 	$(BIN)/python examples/evaluate.py --nproc 2
 
-test: $(STAMP)  ## the suite but its slow tests and the launcher tier, two test processes at once (8-9 minutes on 2 cores)
+test: $(STAMP)  ## the suite but its slow tests and the launcher tier, two test processes at once (7-9 minutes on 2 cores)
 	$(BIN)/python -m pytest -q -n 2
 
-test-slow: $(STAMP)  ## only the slow tests: large worlds, timeouts, launch, torchrun, README blocks, a rotating sample of the kill campaign (about 20 minutes)
+test-slow: $(STAMP)  ## only the slow tests: large worlds, timeouts, launch, torchrun, README blocks, a rotating sample of the kill campaign (25-28 minutes on 2 cores)
 	$(BIN)/python -m pytest -q -m slow
 
 test-launchers: $(STAMP)  ## real srun, sbatch, mpirun, torchrun with restarts, hosts in network namespaces (root; installs slurm-wlm, openmpi-bin)
