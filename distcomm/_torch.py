@@ -356,8 +356,10 @@ class _TorchCommunicator(TorchMembership, Communicator):
         if self._eager:
             settle_eager(self, settle_limit(self, self._ending_on_error))
         reused = []
+        # a job's groups, as an admit closes it: torn down while the next membership forms
+        letting_go = self._owns_default and getattr(_SETTLED, "off_path", False)
         groups = [*self._owned, self._group, self._obj_group, self._local_group, self._block_group,
-                  self._leader_group]
+                  self._leader_group] if letting_go else []
         for g in reversed(self._owned):
             name = getattr(g, "group_name", None)
             try:
@@ -382,7 +384,7 @@ class _TorchCommunicator(TorchMembership, Communicator):
         self._group = self._obj_group = self._local_group = self._store = self._reports = None
         self._block_group = self._leader_group = None
         self._header_bufs, self._carry = {}, None  # its native calls are the groups' bound methods
-        if self._owns_default and getattr(_SETTLED, "off_path", False):  # (the next membership forms meanwhile)
+        if letting_go:
             let_go(groups)
 
     # ------------------------------------------------------------------ transport
